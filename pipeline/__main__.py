@@ -1,0 +1,3 @@
+from pipeline.run import main
+
+main()

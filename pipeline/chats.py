@@ -1,0 +1,220 @@
+"""Chat ingestion: JSONL / Parquet rows in the forms people have, normalised to ``messages``.
+
+Accepted row forms (one chat per row):
+- OpenAI ``{"messages": [{"role": ..., "content": str | [{"type": "text", "text": ...}, ...]}]}``
+- ShareGPT ``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}``
+- ``{"conversations": [{"role": ..., "content": ...}]}``
+
+A bad row never stops the run: it becomes a :class:`BadRow` with a reason code (see ``REASONS``)
+that the stage counts and writes to its quarantine file with the source file and line. A bad file
+(missing, unreadable, not JSONL/Parquet) raises :class:`BadInputFileError`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import pyarrow.parquet as pq
+
+from pipeline.errors import BadInputFileError
+from pipeline.storage import filesystem
+
+# reason code -> what a user reads in the quarantine file
+REASONS = {
+    "invalid_utf8": "the line is not valid UTF-8",
+    "invalid_json": "the line is not valid JSON",
+    "not_a_chat": "no 'messages' or 'conversations' list in the row",
+    "empty_conversation": "the conversation has no turns",
+    "bad_type": "a turn or its content has the wrong type (content must be text)",
+    "unknown_role": "a turn has a role other than system/user/assistant (human/gpt)",
+    "no_user_turn": "an assistant turn comes before any user turn",
+    "empty_answer": "an assistant turn is empty or whitespace only",
+    "no_answer": "no assistant turn: nothing to supervise",
+    "template_error": "the target's chat template failed on this chat",
+    "template_rewrites_content": "the chat template changes message text, so supervision cannot be located",
+    "no_supervised_tokens": "no supervised token is left after truncation to max_length",
+    "too_few_loss_tokens": "fewer supervised tokens than data.min_loss_tokens",
+}
+
+_ROLE_MAP = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+             "system": "system"}
+
+
+@dataclass(frozen=True)
+class Chat:
+    """One normalised chat. ``row`` is the 0-based line (JSONL) or row (Parquet) index in ``path``."""
+
+    messages: tuple[dict[str, str], ...]
+    source: int  # index of the input file in the stage's file list
+    row: int
+    path: str
+    row_id: str | None = None  # the row's own "id" field, if any
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """A skipped row: where it is, why (a ``REASONS`` code) and a short detail."""
+
+    source: int
+    row: int
+    path: str
+    reason: str
+    detail: str = ""
+    row_id: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        """JSON record for the quarantine file (``line`` is 1-based, as editors show it)."""
+        return {"source": self.path, "line": self.row + 1, "row": self.row, "id": self.row_id,
+                "reason": self.reason, "detail": self.detail or REASONS[self.reason]}
+
+
+class RowError(ValueError):
+    """Raised by :func:`normalize_messages` with a ``REASONS`` code in ``reason``."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise RowError("bad_type", f"{where}: only text content parts are supported")
+        return "".join(parts)
+    raise RowError("bad_type", f"{where}: content is {type(content).__name__}, expected text")
+
+
+def normalize_messages(obj: Any, *, require_answer: bool = True) -> tuple[dict[str, str], ...]:
+    """Validate one parsed row and return its turns as ``({"role", "content"}, ...)``.
+
+    Args:
+        obj: the parsed JSON object (or Parquet row as a dict).
+        require_answer: True for the cache stage (a chat with no assistant turn has nothing to
+            supervise); False for generate, where a chat ending in a user turn is a prompt.
+
+    Raises:
+        RowError: with a ``REASONS`` code.
+    """
+    if not isinstance(obj, dict):
+        raise RowError("not_a_chat", f"row is a {type(obj).__name__}, expected an object")
+    turns = obj.get("messages", obj.get("conversations"))
+    if not isinstance(turns, list):
+        raise RowError("not_a_chat")
+    if not turns:
+        raise RowError("empty_conversation")
+    out, seen_user, seen_answer = [], False, False
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise RowError("bad_type", f"turn {i} is a {type(turn).__name__}, expected an object")
+        role_raw = turn.get("role", turn.get("from"))
+        role = _ROLE_MAP.get(role_raw) if isinstance(role_raw, str) else None
+        if role is None:
+            raise RowError("unknown_role", f"turn {i} has role {role_raw!r}")
+        content = _text(turn.get("content", turn.get("value")), f"turn {i}")
+        if role == "user":
+            seen_user = True
+        elif role == "assistant":
+            if not seen_user:
+                raise RowError("no_user_turn", f"turn {i} answers before any user turn")
+            if not content.strip():
+                raise RowError("empty_answer", f"turn {i}")
+            seen_answer = True
+        out.append({"role": role, "content": content})
+    if require_answer and not seen_answer:
+        raise RowError("no_answer")
+    if not seen_user:
+        raise RowError("no_user_turn", "the chat has no user turn")
+    return tuple(out)
+
+
+def _row_id(obj: Any) -> str | None:
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    return str(rid) if rid is not None else None
+
+
+def _parse(obj: Any, source: int, row: int, path: str, require_answer: bool) -> Chat | BadRow:
+    try:
+        msgs = normalize_messages(obj, require_answer=require_answer)
+    except RowError as e:
+        return BadRow(source, row, path, e.reason, e.detail, _row_id(obj))
+    return Chat(msgs, source, row, path, _row_id(obj))
+
+
+def _iter_jsonl(fs, path: str, source: int, url: str, require_answer: bool) -> Iterator[Chat | BadRow]:
+    with fs.open(path, "rb") as f:
+        for row, raw in enumerate(f):
+            if not raw.strip():
+                continue  # blank lines are not rows
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield BadRow(source, row, url, "invalid_utf8", f"byte {e.start}: {e.reason}")
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield BadRow(source, row, url, "invalid_json", e.msg + f" at column {e.colno}")
+                continue
+            yield _parse(obj, source, row, url, require_answer)
+
+
+def _iter_parquet(fs, path: str, source: int, url: str, require_answer: bool) -> Iterator[Chat | BadRow]:
+    with fs.open(path, "rb") as f:
+        try:
+            pf = pq.ParquetFile(f)
+        except Exception as e:  # pyarrow raises several types for a non-Parquet file
+            raise BadInputFileError(f"{url}: not a readable Parquet file ({e}); "
+                                    "fix or remove it from data.train_files") from None
+        row = 0
+        for batch in pf.iter_batches(batch_size=1024):
+            for obj in batch.to_pylist():
+                yield _parse(obj, source, row, url, require_answer)
+                row += 1
+
+
+def iter_chats(url: str, source: int, *, require_answer: bool = True) -> Iterator[Chat | BadRow]:
+    """Stream the chats of one JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``) file.
+
+    Args:
+        url: local path or fsspec URL.
+        source: index of the file in the stage's input list (recorded as provenance).
+        require_answer: see :func:`normalize_messages`.
+
+    Yields:
+        :class:`Chat` for good rows and :class:`BadRow` for skipped ones, in file order.
+
+    Raises:
+        BadInputFileError: the file is missing, or its format is unknown or unreadable.
+    """
+    fs, path = filesystem(url)
+    if not fs.exists(path):
+        raise BadInputFileError(f"{url}: no such input file; check data.train_files / data.eval_files")
+    if url.endswith(".parquet"):
+        yield from _iter_parquet(fs, path, source, url, require_answer)
+    elif url.endswith((".jsonl", ".json")):
+        yield from _iter_jsonl(fs, path, source, url, require_answer)
+    else:
+        raise BadInputFileError(f"{url}: unknown input format; use .jsonl or .parquet files")
+
+
+@dataclass
+class RowCounts:
+    """Kept and skipped row counts by reason code (what summaries report)."""
+
+    kept: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def merge(self, other: "RowCounts") -> None:
+        self.kept += other.kept
+        for k, v in other.skipped.items():
+            self.skipped[k] = self.skipped.get(k, 0) + v

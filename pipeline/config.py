@@ -1,0 +1,278 @@
+"""Typed run configuration: the single source of truth that Hydra composes into.
+
+Every YAML under ``conf/`` (and a user's own) is merged onto :class:`RunConfig`; an unknown key or a
+value of the wrong type or range fails with a one-line :class:`ConfigError` naming the key, e.g.
+``config error: train.lr: must be > 0 (got -1.0)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from pipeline.errors import ConfigError
+
+
+class Stage(str, Enum):
+    generate = "generate"
+    cache = "cache"
+    train = "train"
+    calibrate = "calibrate"
+    export = "export"
+    evaluate = "evaluate"
+    all = "all"
+
+
+STAGE_ORDER = ("generate", "cache", "train", "calibrate", "export", "evaluate")
+
+
+class SystemPromptPolicy(str, Enum):
+    keep = "keep"  # render system turns as given
+    drop = "drop"  # remove every system turn
+    default = "default"  # keep a given one, else insert ``default_system_prompt``
+
+
+class FeatureDtype(str, Enum):
+    bf16 = "bf16"
+    fp8_e4m3 = "fp8_e4m3"
+
+
+class Engine(str, Enum):
+    hf = "hf"
+    vllm = "vllm"
+
+
+class SequentialHead(str, Enum):
+    none = "none"  # DFlash: block-parallel only
+    markov = "markov"
+    gated = "gated"
+    rnn = "rnn"
+
+
+@dataclass
+class TargetConfig:
+    """The frozen target LLM.
+
+    ``path``: a local Hugging Face model directory, ``embedded:tiny`` (the built-in demo target), or
+    a hub id that is already in the local Hugging Face cache (nothing is ever downloaded).
+    ``target_layer_ids``: strictly ascending; id k = output of decoder layer k, -1 = embedding
+    output; the final layer is refused (HF returns it after the final norm).
+    """
+
+    path: str = "embedded:tiny"
+    dtype: str = "float32"  # float32 | bfloat16: the dtype the prefill runs in
+    target_layer_ids: list[int] = field(default_factory=lambda: [0, 1, 2])
+
+
+@dataclass
+class RenderConfig:
+    """How chats are rendered with the target's own chat template (recorded in the fingerprint)."""
+
+    system_prompt: SystemPromptPolicy = SystemPromptPolicy.keep
+    default_system_prompt: str = ""
+    enable_thinking: Optional[bool] = None  # passed to the template when set (Qwen3: False = no thinking)
+
+
+@dataclass
+class DataConfig:
+    """Chat inputs: JSONL or Parquet files (local paths, any fsspec URL, or ``embedded:...``)."""
+
+    train_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list)
+    max_length: int = 4096  # tokens per sample after rendering; longer samples are truncated
+    min_loss_tokens: int = 14  # samples with fewer supervised tokens are dropped before prefill
+    render: RenderConfig = field(default_factory=RenderConfig)
+
+
+@dataclass
+class GenerateConfig:
+    """Regeneration of assistant turns by the target (public Qwen3-4B recipe values by default)."""
+
+    enabled: bool = True
+    engine: Engine = Engine.hf
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int = 20
+    max_new_tokens: int = 4096
+    seed: int = 0
+    batch_size: int = 16
+    rows_per_shard: int = 256
+    max_rows: Optional[int] = None
+
+
+@dataclass
+class CacheConfig:
+    """Target prefill into the sharded Zarr cache (DESIGN.md section 4)."""
+
+    samples_per_shard: int = 256
+    feature_dtype: FeatureDtype = FeatureDtype.bf16
+    compression: str = "none"  # none | zstd
+    max_tokens_per_batch: int = 16384  # length-aware batching cap (padded tokens per prefill batch)
+    num_workers: int = 1  # prefill actors
+    gpus_per_worker: float = 0.0
+    storage_budget_bytes: Optional[int] = None  # refuse to start when the estimate exceeds it
+    max_rows: Optional[int] = None
+
+
+@dataclass
+class DrafterSpec:
+    """One drafter to train (DESIGN.md section 2). ``head=none`` with ``markov_rank=0`` is DFlash."""
+
+    num_layers: int = 5
+    block_size: int = 7
+    sample_from_anchor: bool = True
+    mask_token_id: int = 151669
+    head: SequentialHead = SequentialHead.markov
+    markov_rank: int = 256
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+    confidence_grad_to_backbone: bool = False
+    draft_vocab_size: Optional[int] = None
+
+
+@dataclass
+class TrainConfig:
+    """Ray Train + DeepSpeed ZeRO training of every drafter in ``drafters`` on the same cache."""
+
+    drafters: dict[str, DrafterSpec] = field(default_factory=lambda: {"dspark": DrafterSpec()})
+    num_workers: int = 2
+    use_gpu: bool = False
+    zero_stage: int = 2
+    precision: str = "fp32"  # fp32 | bf16
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    epochs: int = 1
+    max_steps: Optional[int] = None
+    global_batch_samples: int = 64
+    micro_batch_samples: int = 4
+    num_anchors: int = 512
+    loss_ce: float = 0.1
+    loss_tv: float = 0.9
+    loss_conf: float = 1.0
+    decay_lambda: float = 4.0
+    heldout_shards: int = 1
+    checkpoint_every_steps: int = 200
+    seed: int = 0
+
+
+@dataclass
+class CalibrateConfig:
+    bins: int = 15
+    grid_step: float = 0.01
+
+
+@dataclass
+class ExportConfig:
+    fold_temperature_tolerance: float = 0.02
+
+
+@dataclass
+class EvaluateConfig:
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    max_new_tokens: int = 256
+    num_prompts: int = 64
+    thresholds: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.5, 0.7])
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 256])
+    sps_table: Optional[str] = None  # JSON SPS curve; profiled on this machine when unset
+    seed: int = 0
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None  # None: RAY_ADDRESS if set (ray job submit), else a local instance
+    num_cpus: Optional[int] = None  # for a local instance
+
+
+@dataclass
+class RunConfig:
+    """Everything one invocation of ``python -m pipeline.run`` needs."""
+
+    stage: Stage = Stage.all
+    dry_run: bool = False  # validate, resolve the target, print the plan and config; run nothing
+    run_dir: str = "runs/default"  # any fsspec URL; every stage reads and writes under it
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+def _check(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Range and consistency checks that types alone cannot express.
+
+    Raises:
+        ConfigError: naming the first offending key.
+    """
+    ids = list(cfg.target.target_layer_ids)
+    _check(len(ids) > 0, "target.target_layer_ids", "must list at least one layer id")
+    _check(all(b > a for a, b in zip(ids, ids[1:])), "target.target_layer_ids",
+           f"must be strictly ascending (got {ids})")
+    _check(ids[0] >= -1, "target.target_layer_ids", f"ids start at -1 (embedding output), got {ids[0]}")
+    _check(cfg.target.dtype in ("float32", "bfloat16"), "target.dtype",
+           f"must be float32 or bfloat16 (got {cfg.target.dtype!r})")
+    _check(cfg.data.max_length > 1, "data.max_length", f"must be > 1 (got {cfg.data.max_length})")
+    _check(cfg.data.min_loss_tokens >= 1, "data.min_loss_tokens",
+           f"must be >= 1 (got {cfg.data.min_loss_tokens})")
+    _check(cfg.cache.samples_per_shard >= 1, "cache.samples_per_shard", "must be >= 1")
+    _check(cfg.cache.compression in ("none", "zstd"), "cache.compression",
+           f"must be none or zstd (got {cfg.cache.compression!r})")
+    _check(cfg.cache.max_tokens_per_batch >= cfg.data.max_length, "cache.max_tokens_per_batch",
+           f"must be >= data.max_length ({cfg.data.max_length}) so every sample fits a batch")
+    _check(cfg.train.lr > 0, "train.lr", f"must be > 0 (got {cfg.train.lr})")
+    _check(0 <= cfg.train.warmup_ratio < 1, "train.warmup_ratio", "must be in [0, 1)")
+    _check(cfg.train.zero_stage in (0, 1, 2, 3), "train.zero_stage", "must be 0, 1, 2 or 3")
+    _check(cfg.train.precision in ("fp32", "bf16"), "train.precision", "must be fp32 or bf16")
+    _check(cfg.train.global_batch_samples % cfg.train.micro_batch_samples == 0,
+           "train.global_batch_samples", "must be a multiple of train.micro_batch_samples")
+    _check(len(cfg.train.drafters) > 0, "train.drafters", "must name at least one drafter")
+    for name, spec in cfg.train.drafters.items():
+        key = f"train.drafters.{name}"
+        _check(spec.block_size >= 1, f"{key}.block_size", f"must be >= 1 (got {spec.block_size})")
+        _check(spec.num_layers >= 1, f"{key}.num_layers", "must be >= 1")
+        has_rank = spec.markov_rank > 0
+        _check(has_rank == (spec.head != SequentialHead.none), f"{key}.markov_rank",
+               f"must be > 0 exactly when head != none (head={spec.head.value}, "
+               f"markov_rank={spec.markov_rank}); markov_rank=0 means DFlash")
+    _check(cfg.calibrate.bins >= 2, "calibrate.bins", "must be >= 2")
+    _check(0 < cfg.calibrate.grid_step < 1, "calibrate.grid_step", "must be in (0, 1)")
+    _check(all(t >= 0 for t in cfg.evaluate.temperatures), "evaluate.temperatures", "must be >= 0")
+    return cfg
+
+
+def to_run_config(raw: DictConfig | dict[str, Any]) -> RunConfig:
+    """Merge a raw (Hydra-composed) config onto the schema and validate it.
+
+    Raises:
+        ConfigError: one line naming the unknown key or the bad value.
+    """
+    try:
+        schema = OmegaConf.structured(RunConfig)
+        raw = OmegaConf.create(raw) if isinstance(raw, dict) else raw
+        raw_plain = OmegaConf.to_container(raw, resolve=True)
+        raw_plain.pop("hydra", None)
+        merged = OmegaConf.merge(schema, raw_plain)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        msg = str(getattr(e, "msg", e)).splitlines()[0]
+        raise ConfigError(f"{key}: {msg}") from None
+    return validate(cfg)
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain JSON-able dict of a config (enums as their values)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)

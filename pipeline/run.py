@@ -1,0 +1,151 @@
+"""Command line: ``python -m pipeline.run +stage=<name|all> <config.yaml> [key=value ...]``.
+
+The same command runs on a workstation and under ``ray job submit -- python -m pipeline.run ...``.
+A positional YAML path is not Hydra syntax, so it is rewritten into an absolute ``--config-path`` /
+``--config-name`` pair before Hydra parses argv; Hydra flags, overrides and ``-m`` keep working.
+Without a YAML path the embedded default ``conf/tiny.yaml`` is used.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from pipeline.config import STAGE_ORDER, RunConfig, Stage, to_dict, to_run_config
+from pipeline.errors import ConfigError, PipelineError
+from pipeline.storage import join, write_json
+from pipeline.target import resolve_target_path
+
+log = logging.getLogger("pipeline")
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "conf" / "tiny.yaml"
+
+# stage name -> "module:function"; a stage function takes a RunConfig and returns its summary dict.
+STAGES: dict[str, str] = {}
+
+_HYDRA_DEFAULTS = ("hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout")
+
+
+def _forced(arg: str) -> str:
+    """``key=value`` -> ``++key=value``: an unknown key then reaches the typed schema check,
+    which names it in one line, instead of Hydra's multi-line hint."""
+    if "=" in arg and not arg.startswith(("-", "+", "~", "hydra")):
+        return "++" + arg
+    return arg
+
+
+def rewrite_argv(argv: Sequence[str]) -> list[str]:
+    """Turn ``[... conf/x.yaml ...]`` into Hydra's ``--config-path ABS --config-name x`` form.
+
+    Plain ``key=value`` overrides become ``++key=value`` (see :func:`_forced`). Also adds run-directory defaults (no ``outputs/<date>`` folder in the working directory) unless
+    the user set them.
+
+    Raises:
+        ConfigError: two YAML paths, or a YAML path that does not exist.
+    """
+    rest, yamls = [], []
+    for arg in argv:
+        is_yaml = not arg.startswith("-") and "=" not in arg and arg.endswith((".yaml", ".yml"))
+        (yamls if is_yaml else rest).append(_forced(arg))
+    if len(yamls) > 1:
+        raise ConfigError(f"config: one YAML file expected, got {yamls}")
+    named = any(a in ("--config-name", "-cn") or a.startswith("--config-name=") for a in rest)
+    if yamls or not named:
+        path = Path(yamls[0]).expanduser().resolve() if yamls else DEFAULT_CONFIG
+        if not path.is_file():
+            raise ConfigError(f"config: no such file {path}")
+        rest = ["--config-path", str(path.parent), "--config-name", path.stem, *rest]
+    for default in _HYDRA_DEFAULTS:
+        key = default.split("=")[0]
+        if not any(a.split("=")[0].lstrip("+~") == key for a in rest):
+            rest.append(default)
+    return rest
+
+
+def load_config(config_file: str | Path = DEFAULT_CONFIG, overrides: Sequence[str] = ()) -> RunConfig:
+    """Compose a config with Hydra's compose API (tests, notebooks, Ray workers).
+
+    Gives the same :class:`RunConfig` as the CLI for the same file and overrides.
+
+    Raises:
+        ConfigError: unknown key, bad value or missing file.
+    """
+    from hydra import compose, initialize_config_dir
+
+    path = Path(config_file).expanduser().resolve()
+    if not path.is_file():
+        raise ConfigError(f"config: no such file {path}")
+    with initialize_config_dir(config_dir=str(path.parent), version_base=None):
+        raw = compose(config_name=path.stem, overrides=[_forced(o) for o in overrides])
+    return to_run_config(raw)
+
+
+def _stage_fn(name: str) -> Callable[[RunConfig], dict[str, Any]]:
+    module, fn = STAGES[name].split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def run_stages(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """Run one stage, or every built stage in order for ``stage=all``.
+
+    Each stage's summary is written to ``<run_dir>/<stage>/summary.json`` (with ``seconds``).
+
+    Raises:
+        ConfigError: a stage that this build does not have.
+        TargetNotFoundError: the target is not on this machine (checked before any stage starts).
+    """
+    resolve_target_path(cfg.target.path)  # fail fast, before any Ray or model start-up
+    if cfg.stage == Stage.all:
+        names = [n for n in STAGE_ORDER if n in STAGES and (n != "generate" or cfg.generate.enabled)]
+    elif cfg.stage.value in STAGES:
+        names = [cfg.stage.value]
+    else:
+        raise ConfigError(f"stage: {cfg.stage.value!r} is not available in this build "
+                          f"(available: {', '.join(STAGES) or 'none'})")
+    if cfg.dry_run:
+        print(json.dumps({"stages": names, "config": to_dict(cfg)}, indent=2))
+        return {}
+    summaries = {}
+    for name in names:
+        t0 = time.perf_counter()
+        log.info("stage %s: starting (run_dir=%s)", name, cfg.run_dir)
+        summary = _stage_fn(name)(cfg)
+        summary["seconds"] = round(time.perf_counter() - t0, 3)
+        write_json(join(cfg.run_dir, name, "summary.json"), summary)
+        summaries[name] = summary
+        log.info("stage %s: done in %.1f s", name, summary["seconds"])
+    return summaries
+
+
+def _hydra_entry() -> None:
+    import hydra
+    from omegaconf import DictConfig
+
+    @hydra.main(version_base=None, config_path=None, config_name=None)
+    def _main(raw: DictConfig) -> None:
+        try:
+            run_stages(to_run_config(raw))
+        except PipelineError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    _main()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point (``python -m pipeline.run`` and the ``dspark`` script)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        sys.argv = [sys.argv[0], *rewrite_argv(argv)]
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    _hydra_entry()
+
+
+if __name__ == "__main__":
+    main()

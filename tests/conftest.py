@@ -1,0 +1,113 @@
+"""Shared fixtures: a tiny random-weight Qwen3 target, a real S3-compatible server, a local Ray.
+
+The S3 server is moto's standalone server started as a subprocess on 127.0.0.1 and stopped by its
+PID; credentials and the endpoint reach every client (s3fs, boto3, Ray workers) through the
+standard AWS environment variables, exactly as they would on a real cluster.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dspark-torch-extensions"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def shared_cases() -> Path:
+    """The read-only shared input cases (``../shared/cases``)."""
+    path = SHARED / "cases"
+    if not path.is_dir():
+        pytest.fail(f"shared cases not found at {path}: clone the project beside ../shared")
+    return path
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server on 127.0.0.1; yields ``{"endpoint": url, "bucket": name}``.
+
+    Sets AWS_ENDPOINT_URL / AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION for the
+    session so that s3fs, boto3 and child processes find it with no extra options.
+    """
+    port = _free_port()
+    exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    pytest.fail("moto_server did not start")
+                time.sleep(0.2)
+        import boto3
+
+        bucket = "dspark-test"
+        boto3.client("s3").create_bucket(Bucket=bucket)
+        yield {"endpoint": endpoint, "bucket": bucket}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def s3_url(s3_server) -> str:
+    """A fresh, empty ``s3://bucket/prefix`` for one test."""
+    return f"s3://{s3_server['bucket']}/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3():
+    """A random-weight Qwen3ForCausalLM (4 layers, hidden 64, vocab 512), fp32, eval mode."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=1024, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config).eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance for the whole test session (``ray.init`` costs seconds)."""
+    import ray
+
+    tmp = Path("/tmp") / f"rt{os.getpid()}"
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=False)
+    yield ray
+    ray.shutdown()

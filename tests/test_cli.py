@@ -1,0 +1,117 @@
+"""CLI: positional YAML rewriting, overrides, Hydra flags and -m, one-line config errors, fail-fast target."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import Stage, to_run_config
+from pipeline.errors import ConfigError
+from pipeline.run import DEFAULT_CONFIG, load_config, rewrite_argv
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def _cli(*args, cwd=REPO, timeout=60):
+    return subprocess.run([sys.executable, "-m", "pipeline.run", *args], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _plans(stdout: str) -> list[dict]:
+    """The JSON plans a dry run prints (Hydra may log lines around them)."""
+    dec, out, i = json.JSONDecoder(), [], stdout.find("{")
+    while i >= 0:
+        obj, end = dec.raw_decode(stdout, i)
+        out.append(obj)
+        i = stdout.find("{", end)
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_target(tmp_path_factory, tiny_qwen3):
+    d = tmp_path_factory.mktemp("target")
+    tiny_qwen3.config.save_pretrained(d)
+    return str(d)
+
+
+def test_rewrite_positional_yaml():
+    argv = rewrite_argv(["+stage=cache", "conf/qwen3_4b.yaml", "train.lr=0.1", "--cfg", "job"])
+    i = argv.index("--config-path")
+    assert argv[i + 1] == str(REPO / "conf") and argv[argv.index("--config-name") + 1] == "qwen3_4b"
+    assert "+stage=cache" in argv and "++train.lr=0.1" in argv and "--cfg" in argv
+    assert "hydra.run.dir=." in argv and "hydra.output_subdir=null" in argv
+    default = rewrite_argv(["+stage=cache"])
+    assert default[default.index("--config-path") + 1] == str(DEFAULT_CONFIG.parent)
+    assert rewrite_argv(["--config-name", "x", "hydra.run.dir=/tmp/y"]).count("hydra.run.dir=.") == 0
+    with pytest.raises(ConfigError, match="one YAML file"):
+        rewrite_argv(["a.yaml", "b.yaml"])
+    with pytest.raises(ConfigError, match="no such file"):
+        rewrite_argv(["missing.yaml"])
+
+
+def test_compose_loader_types_and_overrides():
+    cfg = load_config(REPO / "conf" / "qwen3_4b.yaml", ["+stage=train", "train.lr=0.001"])
+    assert cfg.stage == Stage.train and cfg.train.lr == 0.001
+    assert cfg.target.target_layer_ids == [1, 9, 17, 25, 33]
+    d = cfg.train.drafters["dspark"]
+    assert (d.num_layers, d.block_size, d.mask_token_id, d.markov_rank) == (5, 7, 151669, 256)
+    assert (cfg.train.num_anchors, cfg.train.decay_lambda, cfg.train.warmup_ratio) == (512, 4.0, 0.04)
+    assert (cfg.data.max_length, cfg.data.min_loss_tokens) == (4096, 14)
+    tiny = load_config(DEFAULT_CONFIG)
+    assert set(tiny.train.drafters) == {"dflash", "dspark"}
+    assert tiny.train.drafters["dflash"].markov_rank == 0
+
+
+@pytest.mark.parametrize("override,msg", [
+    ("train.lrr=3", "train.lrr: Key 'lrr' not in 'TrainConfig'"),
+    ("train.lr=-1", "train.lr: must be > 0"),
+    ("cache.feature_dtype=fp16", "cache.feature_dtype: Invalid value 'fp16'"),
+    ("target.target_layer_ids=[3,1]", "target.target_layer_ids: must be strictly ascending"),
+    ("train.drafters.dspark.markov_rank=0", "train.drafters.dspark.markov_rank: must be > 0 exactly when head != none"),
+])
+def test_bad_config_is_one_line(override, msg):
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT_CONFIG, [override])
+    assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_one_line_error_exit_2():
+    r = _cli("conf/tiny.yaml", "train.lrr=3")
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: config error: train.lrr: Key 'lrr' not in 'TrainConfig'"
+
+
+def test_qwen3_4b_offline_fails_fast_without_traceback():
+    t0 = time.time()
+    r = _cli("+stage=cache", "conf/qwen3_4b.yaml")
+    assert time.time() - t0 < 30
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+    assert "target.path='Qwen/Qwen3-4B'" in r.stderr and "never downloads" in r.stderr
+    assert "target.path=/models/NAME" in r.stderr
+
+
+def test_cli_matches_compose_loader_and_hydra_flags(local_target, tmp_path):
+    args = ["+stage=all", "conf/tiny.yaml", f"target.path={local_target}", "train.lr=0.5", "dry_run=true"]
+    r = _cli(*args, cwd=tmp_path)  # any working directory; the YAML path is absolute after rewriting
+    assert r.returncode == 2 and "no such file" in r.stderr  # relative to cwd, as a user expects
+    r = _cli(*[a if a != "conf/tiny.yaml" else str(DEFAULT_CONFIG) for a in args], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    [plan] = _plans(r.stdout)
+    via_loader = load_config(DEFAULT_CONFIG, ["+stage=all", f"target.path={local_target}", "train.lr=0.5",
+                                              "dry_run=true"])
+    assert to_run_config(plan["config"]) == via_loader
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / ".hydra").exists()
+    r = _cli("conf/tiny.yaml", "--cfg", "job", "train.lr=0.25")  # a plain Hydra flag still works
+    assert r.returncode == 0 and "lr: 0.25" in r.stdout
+
+
+def test_cli_multirun(local_target, tmp_path):
+    r = _cli("-m", str(DEFAULT_CONFIG), f"target.path={local_target}", "dry_run=true", "train.lr=0.1,0.2",
+             f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert [p["config"]["train"]["lr"] for p in _plans(r.stdout)] == [0.1, 0.2]
