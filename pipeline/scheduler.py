@@ -1,0 +1,279 @@
+"""Hardware-aware verification scheduler (DSpark Algorithm 1) and its offline throughput simulator.
+
+Terms: R requests in a decode step, each with a drafted block of gamma tokens and calibrated
+conditional acceptance ``c_{r,j}`` (j = 1..gamma); survival ``a_{r,j} = prod_{i<=j} c_{r,i}`` is the
+probability that draft j is accepted. Verifying ``l_r`` drafts of request r costs ``1 + l_r`` target
+tokens in the verify forward (the drafts plus the position that yields the resampled / bonus token),
+so the step processes ``B = sum_r (1 + l_r)`` tokens.
+
+- ``tau(B) = sum_r (1 + sum_{j<=l_r} a_{r,j})``: expected tokens emitted per verify step across the
+  batch, the bonus / resampled token included (each request emits its accepted prefix plus one).
+- ``SPS(B)``: target verify steps per second at B tokens per step (a measured :class:`SPSCurve`).
+- ``Theta = tau(B) * SPS(B)``: expected tokens per second.
+
+Algorithm 1: sort all (r, j) by ``a_{r,j}`` descending and admit them one by one while Theta strictly
+rises; stop at the first candidate that does not raise it. Survival is non-increasing in j
+(``c <= 1``) and ties are broken by j, so (r, j) always ranks before (r, j + 1): the admitted set of
+each request is a contiguous prefix ``1..l_r``, and the decision for (r, j) depends only on
+candidates ranked above it, never on a later position of the same request (non-anticipating, which
+keeps speculative sampling lossless). Production variant: the budget ``K`` (admitted drafts) comes
+from the confidences of two steps earlier; the current step admits the top-K by current survival.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Sequence
+
+import fsspec
+import numpy as np
+
+__all__ = ["SPSCurve", "Schedule", "survival", "schedule", "fill_top_k", "schedule_production",
+           "simulate"]
+
+
+class SPSCurve:
+    """Target verify steps per second as a function of tokens per step B (piecewise linear).
+
+    Built from a measured table of ``(B, steps/s)``. With ``monotone=True`` (default) the table is made
+    non-increasing in B by a running minimum (more tokens per step never run faster; noise that says
+    otherwise is dropped conservatively). Below the first point SPS is constant; beyond the last,
+    tokens per second ``B * SPS(B)`` is held constant (compute-bound extrapolation).
+
+    Args:
+        batch_tokens: B values (tokens per step, > 0, distinct). steps_per_s: SPS at each B (> 0).
+        monotone: enforce non-increasing SPS.
+    Raises:
+        ValueError: empty or mismatched table, duplicate B, or non-positive / non-finite values.
+    """
+
+    def __init__(self, batch_tokens: Sequence[float], steps_per_s: Sequence[float], monotone: bool = True):
+        b = np.asarray(batch_tokens, dtype=np.float64)
+        s = np.asarray(steps_per_s, dtype=np.float64)
+        if b.ndim != 1 or b.shape != s.shape or b.size == 0:
+            raise ValueError(f"need two equal-length non-empty 1-D tables, got {b.shape} and {s.shape}")
+        if not (np.isfinite(b).all() and np.isfinite(s).all() and (b > 0).all() and (s > 0).all()):
+            raise ValueError("B and steps/s must be finite and > 0: drop failed measurements from the table")
+        order = np.argsort(b, kind="stable")
+        b, s = b[order], s[order]
+        if (np.diff(b) == 0).any():
+            raise ValueError("duplicate B in the SPS table: average repeated measurements first")
+        self.monotone = monotone
+        self.batch_tokens = b
+        self.steps_per_s = np.minimum.accumulate(s) if monotone else s
+
+    def __call__(self, B: float | np.ndarray) -> np.ndarray:
+        """SPS (steps/s) at B tokens per step (scalar or array, > 0); float64 of the same shape."""
+        B = np.asarray(B, dtype=np.float64)
+        inside = np.interp(B, self.batch_tokens, self.steps_per_s)
+        b_max, s_max = self.batch_tokens[-1], self.steps_per_s[-1]
+        return np.where(B > b_max, s_max * b_max / np.maximum(B, b_max), inside)
+
+    def to_dict(self) -> dict:
+        """JSON-able ``{"batch_tokens": [...], "steps_per_s": [...], "monotone": bool}`` (as stored)."""
+        return {"batch_tokens": self.batch_tokens.tolist(), "steps_per_s": self.steps_per_s.tolist(),
+                "monotone": self.monotone}
+
+    def save(self, path: str) -> None:
+        """Write :meth:`to_dict` as JSON to ``path`` (any fsspec URL)."""
+        with fsspec.open(path, "w") as f:
+            json.dump(self.to_dict(), f)
+
+    @classmethod
+    def load(cls, path: str) -> "SPSCurve":
+        """Read a curve written by :meth:`save`; raises ValueError if the keys are missing."""
+        with fsspec.open(path, "r") as f:
+            d = json.load(f)
+        if "batch_tokens" not in d or "steps_per_s" not in d:
+            raise ValueError(f"{path} is not an SPS table: need keys 'batch_tokens' and 'steps_per_s'")
+        return cls(d["batch_tokens"], d["steps_per_s"], d.get("monotone", True))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One step's verification plan.
+
+    Attributes:
+        lengths: int64 [R], drafts verified per request (l_r).
+        admitted: bool [R, gamma], ``admitted[r, j] == (j < lengths[r])`` (contiguous prefixes).
+        batch_tokens: B = sum_r (1 + l_r), tokens in the verify forward.
+        expected_tokens: tau = sum_r (1 + sum_{j<=l_r} a_{r,j}), expected tokens emitted this step.
+        throughput: Theta = tau * SPS(B), expected tokens per second.
+    """
+
+    lengths: np.ndarray
+    admitted: np.ndarray
+    batch_tokens: int
+    expected_tokens: float
+    throughput: float
+
+
+def survival(conf: np.ndarray) -> np.ndarray:
+    """Survival ``a_{r,j} = prod_{i<=j} c_{r,i}`` (DSpark, prefix survival) of conditional acceptances.
+
+    Args:
+        conf: [R, gamma] float in [0, 1] (calibrated c_{r,j}).
+    Returns:
+        float64 [R, gamma], non-increasing along j.
+    Raises:
+        ValueError: not 2-D, or an entry outside [0, 1] / NaN.
+    """
+    c = np.asarray(conf, dtype=np.float64)
+    if c.ndim != 2:
+        raise ValueError(f"confidences must be [R, gamma], got shape {c.shape}")
+    if not ((c >= 0) & (c <= 1)).all():
+        raise ValueError("confidences must be calibrated probabilities in [0, 1]: apply sigmoid(z / T)")
+    return np.cumprod(c, axis=1)
+
+
+def _ranking(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(r, j) pairs sorted by survival descending, ties by j then r; returns (rows, cols) int64 [R*gamma]."""
+    R, gamma = a.shape
+    rows, cols = np.divmod(np.arange(R * gamma), gamma)
+    order = np.lexsort((rows, cols, -a.ravel()))
+    return rows[order], cols[order]
+
+
+def _plan(a: np.ndarray, n_admit: int, sps: SPSCurve) -> Schedule:
+    """Admit the top ``n_admit`` (r, j) by survival and evaluate B, tau, Theta."""
+    R, gamma = a.shape
+    rows, cols = _ranking(a)
+    admitted = np.zeros((R, gamma), dtype=bool)
+    admitted[rows[:n_admit], cols[:n_admit]] = True
+    lengths = admitted.sum(1).astype(np.int64)
+    B = int(R + n_admit)
+    tau = float(R + a[admitted].sum())
+    return Schedule(lengths, admitted, B, tau, float(tau * sps(B)) if R else 0.0)
+
+
+def schedule(conf: np.ndarray, sps: SPSCurve) -> Schedule:
+    """DSpark Algorithm 1: greedy admission by survival while Theta = tau(B) * SPS(B) strictly rises.
+
+    Starting from no drafts (B = R, tau = R), candidates are taken in order of descending ``a_{r,j}``
+    (ties: smaller j first); candidate m gives ``B_m = R + m`` and ``tau_m = R + sum of the first m
+    survivals``; admission stops at the first m with ``Theta_m <= Theta_{m-1}``. When Theta along this
+    order is unimodal the result maximises Theta over all per-request prefix lengths (for a fixed B the
+    top survivals maximise tau).
+
+    Args:
+        conf: [R, gamma] calibrated conditional acceptances c_{r,j} in [0, 1].
+        sps: measured :class:`SPSCurve`.
+    Returns:
+        :class:`Schedule` with contiguous prefixes.
+    Raises:
+        ValueError: as :func:`survival`.
+    """
+    a = survival(conf)
+    R = a.shape[0]
+    rows, cols = _ranking(a)
+    m = np.arange(a.size + 1)
+    theta = (R + np.concatenate([[0.0], np.cumsum(a[rows, cols])])) * sps(R + m) if R else np.zeros(1)
+    drops = np.nonzero(np.diff(theta) <= 0)[0]
+    n_admit = int(drops[0]) if drops.size else a.size
+    return _plan(a, n_admit, sps)
+
+
+def fill_top_k(conf: np.ndarray, budget: int, sps: SPSCurve) -> Schedule:
+    """Admit exactly ``min(budget, R * gamma)`` drafts with the highest current survival (ties by j).
+
+    Args:
+        conf: [R, gamma] calibrated c_{r,j}. budget: K >= 0 drafts. sps: for the reported Theta.
+    Returns:
+        :class:`Schedule` (contiguous prefixes).
+    Raises:
+        ValueError: ``budget < 0`` or bad confidences.
+    """
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0 drafts, got {budget}")
+    a = survival(conf)
+    return _plan(a, min(int(budget), a.size), sps)
+
+
+def schedule_production(conf_now: np.ndarray, conf_stale: np.ndarray, sps: SPSCurve) -> Schedule:
+    """Production variant of Algorithm 1: budget from stale confidences, top-K by current survival.
+
+    The serving engine overlaps scheduling with execution, so the budget ``K`` is the number of drafts
+    Algorithm 1 admits on the confidences available two steps earlier (``conf_stale``, any request
+    count); the current step then admits the top-K (r, j) by current survival.
+
+    Args:
+        conf_now: [R, gamma] current calibrated c_{r,j}. conf_stale: [R', gamma'] two steps old.
+        sps: :class:`SPSCurve`.
+    Returns:
+        :class:`Schedule` for ``conf_now``.
+    Raises:
+        ValueError: bad confidences.
+    """
+    budget = int(schedule(conf_stale, sps).lengths.sum())
+    return fill_top_k(conf_now, budget, sps)
+
+
+def _summary(tokens: float, seconds: float, steps: int, R: int, verified: float) -> dict:
+    """Throughput summary of one policy at concurrency R over ``steps`` steps."""
+    tps = tokens / seconds
+    return {"tokens_per_s": tps, "tokens_per_s_per_user": tps / R, "tau": tokens / (steps * R),
+            "verified_per_request": verified / (steps * R)}
+
+
+def simulate(outcomes: np.ndarray, conf: np.ndarray, sps: SPSCurve, *,
+             concurrency: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
+             n_steps: int = 200, seed: int = 0) -> dict:
+    """Replay recorded blocks to compare fixed gamma against the scheduler (DSpark Algorithm 1).
+
+    At concurrency R, each of ``n_steps`` steps draws R recorded blocks uniformly with replacement
+    (``numpy.random.default_rng(seed)``; the same draws for every policy). A request that verifies l
+    drafts emits ``1 + sum_{j<=l} outcome_j`` tokens (accepted prefix plus resample / bonus) and the
+    step takes ``1 / SPS(B)`` seconds with ``B = sum_r (1 + l_r)``. Throughput = total tokens / total
+    seconds. The production variant takes its budget from the blocks drawn two steps earlier (the
+    first two steps use their own confidences).
+
+    Args:
+        outcomes: [M, gamma] 0/1 realised acceptances, prefix-closed (1s then 0s).
+        conf: [M, gamma] calibrated conditional acceptances c_{r,j} in [0, 1] of the same blocks.
+        sps: :class:`SPSCurve`. concurrency: R values (>= 1). n_steps: steps per R (>= 1). seed: RNG seed.
+    Returns:
+        JSON-able dict ``{"gamma", "n_steps", "seed", "results": [per R: {"R", "fixed": {"1": summary,
+        ...}, "scheduler": summary, "production": summary, "best_fixed_gamma", "ratio_scheduler",
+        "ratio_production"}]}``; a summary is ``{"tokens_per_s", "tokens_per_s_per_user", "tau"
+        (tokens per request per step, bonus included), "verified_per_request"}`` and the ratios are
+        tokens/s over the best fixed gamma's tokens/s.
+    Raises:
+        ValueError: shape mismatch, outcomes not 0/1 prefix-closed, or bad R / n_steps.
+    """
+    out = np.asarray(outcomes)
+    c = np.asarray(conf, dtype=np.float64)
+    if out.ndim != 2 or out.shape != c.shape or out.shape[0] == 0:
+        raise ValueError(f"outcomes and conf must be the same non-empty [M, gamma], got {out.shape}, {c.shape}")
+    if not np.isin(out, (0, 1)).all() or (np.diff(out.astype(np.int64), axis=1) > 0).any():
+        raise ValueError("outcomes must be 0/1 and prefix-closed (no 1 after a 0): take the cumulative "
+                         "product of per-position acceptances")
+    survival(c)                                   # validates conf: [M, gamma] in [0, 1]
+    if n_steps < 1 or any(int(r) < 1 for r in concurrency):
+        raise ValueError(f"need n_steps >= 1 and every R >= 1, got {n_steps}, {list(concurrency)}")
+    gamma = out.shape[1]
+    accepted_upto = np.concatenate([np.zeros((out.shape[0], 1)), np.cumsum(out, axis=1)], axis=1)
+    rng = np.random.default_rng(seed)
+    results = []
+    for R in (int(r) for r in concurrency):
+        idx = rng.integers(0, out.shape[0], size=(n_steps, R))
+        fixed = {}
+        for g in range(1, gamma + 1):
+            tokens = float((1 + accepted_upto[idx, g]).sum())
+            fixed[str(g)] = _summary(tokens, n_steps / float(sps(R * (1 + g))), n_steps, R, n_steps * R * g)
+        totals = {"scheduler": [0.0, 0.0, 0.0], "production": [0.0, 0.0, 0.0]}
+        for t in range(n_steps):
+            rows = idx[t]
+            plans = {"scheduler": schedule(c[rows], sps),
+                     "production": schedule_production(c[rows], c[idx[t - 2] if t >= 2 else rows], sps)}
+            for name, plan in plans.items():
+                acc = totals[name]
+                acc[0] += float((1 + accepted_upto[rows, plan.lengths]).sum())
+                acc[1] += 1.0 / float(sps(plan.batch_tokens))
+                acc[2] += float(plan.lengths.sum())
+        best = max(fixed, key=lambda g: fixed[g]["tokens_per_s"])
+        entry = {"R": R, "fixed": fixed, "best_fixed_gamma": int(best)}
+        for name, (tok, sec, ver) in totals.items():
+            entry[name] = _summary(tok, sec, n_steps, R, ver)
+            entry[f"ratio_{name}"] = entry[name]["tokens_per_s"] / fixed[best]["tokens_per_s"]
+        results.append(entry)
+    return {"gamma": gamma, "n_steps": n_steps, "seed": seed, "results": results}
