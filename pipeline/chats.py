@@ -147,9 +147,16 @@ def _parse(obj: Any, source: int, row: int, path: str, require_answer: bool) -> 
     return Chat(msgs, source, row, path, _row_id(obj))
 
 
-def _iter_jsonl(fs, path: str, source: int, url: str, require_answer: bool) -> Iterator[Chat | BadRow]:
+def _iter_jsonl(fs, path: str, source: int, url: str, require_answer: bool,
+                span: "ShardSpan | None" = None) -> Iterator[Chat | BadRow]:
     with fs.open(path, "rb") as f:
-        for row, raw in enumerate(f):
+        first = 0
+        if span is not None:
+            f.seek(span.byte_start)
+            first = span.row_start
+        for row, raw in enumerate(f, start=first):
+            if span is not None and row >= span.row_end:
+                break
             if not raw.strip():
                 continue  # blank lines are not rows
             try:
@@ -165,27 +172,40 @@ def _iter_jsonl(fs, path: str, source: int, url: str, require_answer: bool) -> I
             yield _parse(obj, source, row, url, require_answer)
 
 
-def _iter_parquet(fs, path: str, source: int, url: str, require_answer: bool) -> Iterator[Chat | BadRow]:
+def _parquet(f, url: str) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(f)
+    except Exception as e:  # pyarrow raises several types for a non-Parquet file
+        raise BadInputFileError(f"{url}: not a readable Parquet file ({e}); "
+                                "fix or remove it from the input files") from None
+
+
+def _iter_parquet(fs, path: str, source: int, url: str, require_answer: bool,
+                  span: "ShardSpan | None" = None) -> Iterator[Chat | BadRow]:
+    lo, hi = (span.row_start, span.row_end) if span is not None else (0, None)
     with fs.open(path, "rb") as f:
-        try:
-            pf = pq.ParquetFile(f)
-        except Exception as e:  # pyarrow raises several types for a non-Parquet file
-            raise BadInputFileError(f"{url}: not a readable Parquet file ({e}); "
-                                    "fix or remove it from data.train_files") from None
+        pf = _parquet(f, url)
         row = 0
-        for batch in pf.iter_batches(batch_size=1024):
-            for obj in batch.to_pylist():
-                yield _parse(obj, source, row, url, require_answer)
+        for g in range(pf.num_row_groups):  # read only the row groups that overlap [lo, hi)
+            n = pf.metadata.row_group(g).num_rows
+            if row + n <= lo or (hi is not None and row >= hi):
+                row += n
+                continue
+            for obj in pf.read_row_group(g).to_pylist():
+                if lo <= row and (hi is None or row < hi):
+                    yield _parse(obj, source, row, url, require_answer)
                 row += 1
 
 
-def iter_chats(url: str, source: int, *, require_answer: bool = True) -> Iterator[Chat | BadRow]:
+def iter_chats(url: str, source: int, *, require_answer: bool = True,
+               span: "ShardSpan | None" = None) -> Iterator[Chat | BadRow]:
     """Stream the chats of one JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``) file.
 
     Args:
         url: local path or fsspec URL.
         source: index of the file in the stage's input list (recorded as provenance).
         require_answer: see :func:`normalize_messages`.
+        span: read only this span's rows (from :func:`plan_spans`); the whole file when None.
 
     Yields:
         :class:`Chat` for good rows and :class:`BadRow` for skipped ones, in file order.
@@ -193,15 +213,61 @@ def iter_chats(url: str, source: int, *, require_answer: bool = True) -> Iterato
     Raises:
         BadInputFileError: the file is missing, or its format is unknown or unreadable.
     """
+    fs, path = _open_input(url)
+    if url.endswith(".parquet"):
+        yield from _iter_parquet(fs, path, source, url, require_answer, span)
+    else:
+        yield from _iter_jsonl(fs, path, source, url, require_answer, span)
+
+
+def _open_input(url: str):
     fs, path = filesystem(url)
+    if not url.endswith((".jsonl", ".json", ".parquet")):
+        raise BadInputFileError(f"{url}: unknown input format; use .jsonl or .parquet files")
     if not fs.exists(path):
         raise BadInputFileError(f"{url}: no such input file; check data.train_files / data.eval_files")
+    return fs, path
+
+
+@dataclass(frozen=True)
+class ShardSpan:
+    """A fixed range of input rows ``[row_start, row_end)`` of one file: the rows of one shard.
+
+    Spans depend only on the file and ``rows_per_shard``, so shard membership is a deterministic
+    function of the inputs and config (what makes resume exact). ``byte_start`` lets a JSONL
+    reader seek straight to the span.
+    """
+
+    source: int
+    url: str
+    row_start: int
+    row_end: int
+    byte_start: int = 0
+
+
+def plan_spans(url: str, source: int, rows_per_shard: int) -> list[ShardSpan]:
+    """Cut one input file into spans of ``rows_per_shard`` rows (JSONL lines, blank ones included;
+    Parquet rows). One streaming pass over a JSONL file; Parquet needs only its footer.
+
+    Raises:
+        BadInputFileError: missing, unreadable or unknown-format file.
+    """
+    fs, path = _open_input(url)
+    bounds: list[tuple[int, int]] = []  # (row, byte offset) of each span start
     if url.endswith(".parquet"):
-        yield from _iter_parquet(fs, path, source, url, require_answer)
-    elif url.endswith((".jsonl", ".json")):
-        yield from _iter_jsonl(fs, path, source, url, require_answer)
+        with fs.open(path, "rb") as f:
+            total = _parquet(f, url).metadata.num_rows
+        bounds = [(r, 0) for r in range(0, total, rows_per_shard)]
     else:
-        raise BadInputFileError(f"{url}: unknown input format; use .jsonl or .parquet files")
+        total, pos = 0, 0
+        with fs.open(path, "rb") as f:
+            for line in f:
+                if total % rows_per_shard == 0:
+                    bounds.append((total, pos))
+                total += 1
+                pos += len(line)
+    ends = [b[0] for b in bounds[1:]] + [total]
+    return [ShardSpan(source, url, r, e, b) for (r, b), e in zip(bounds, ends)]
 
 
 @dataclass

@@ -107,7 +107,7 @@ class GenerateConfig:
 class CacheConfig:
     """Target prefill into the sharded Zarr cache (DESIGN.md section 4)."""
 
-    samples_per_shard: int = 256
+    rows_per_shard: int = 256  # input rows per shard (kept samples may be fewer)
     feature_dtype: FeatureDtype = FeatureDtype.bf16
     compression: str = "none"  # none | zstd
     max_tokens_per_batch: int = 16384  # length-aware batching cap (padded tokens per prefill batch)
@@ -227,7 +227,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.data.max_length > 1, "data.max_length", f"must be > 1 (got {cfg.data.max_length})")
     _check(cfg.data.min_loss_tokens >= 1, "data.min_loss_tokens",
            f"must be >= 1 (got {cfg.data.min_loss_tokens})")
-    _check(cfg.cache.samples_per_shard >= 1, "cache.samples_per_shard", "must be >= 1")
+    _check(cfg.cache.rows_per_shard >= 1, "cache.rows_per_shard", "must be >= 1")
     _check(cfg.cache.compression in ("none", "zstd"), "cache.compression",
            f"must be none or zstd (got {cfg.cache.compression!r})")
     _check(cfg.cache.max_tokens_per_batch >= cfg.data.max_length, "cache.max_tokens_per_batch",

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from cache_schema import CacheError
 from pipeline.config import STAGE_ORDER, RunConfig, Stage, to_dict, to_run_config
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.storage import join, write_json
@@ -25,7 +26,10 @@ log = logging.getLogger("pipeline")
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "conf" / "tiny.yaml"
 
 # stage name -> "module:function"; a stage function takes a RunConfig and returns its summary dict.
-STAGES: dict[str, str] = {}
+STAGES: dict[str, str] = {
+    "generate": "pipeline.generate:run_generate",
+    "cache": "pipeline.cache:run_cache",
+}
 
 _HYDRA_DEFAULTS = ("hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout")
 
@@ -129,7 +133,7 @@ def _hydra_entry() -> None:
     def _main(raw: DictConfig) -> None:
         try:
             run_stages(to_run_config(raw))
-        except PipelineError as e:
+        except (PipelineError, CacheError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
 

@@ -68,3 +68,42 @@ def load_target(cfg: TargetConfig, device: str = "cpu"):
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(local, local_files_only=True)
     return model, tokenizer, local
+
+
+def load_shared_weights(local_dir: str):
+    """The target's ``embed_tokens`` and ``lm_head`` weights, read straight from its safetensors
+    files (the rest of the model is not loaded). A tied ``lm_head`` returns the embedding.
+
+    Returns:
+        ``(embed [V, H], lm_head [V, H])`` tensors in the checkpoint's dtype.
+
+    Raises:
+        TargetNotFoundError: no safetensors weights, or no embedding tensor in them.
+    """
+    import json
+
+    from safetensors import safe_open
+
+    root = Path(local_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (root / "model.safetensors").is_file():
+        with safe_open(root / "model.safetensors", "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise TargetNotFoundError(f"{local_dir}: no model.safetensors(.index.json); the target must be "
+                                  "saved with safetensors weights (save_pretrained does so)")
+
+    def read(suffix: str):
+        keys = [k for k in weight_map if k.endswith(suffix)]
+        if not keys:
+            return None
+        with safe_open(root / weight_map[keys[0]], "pt") as f:
+            return f.get_tensor(keys[0])
+
+    embed = read("embed_tokens.weight")
+    if embed is None:
+        raise TargetNotFoundError(f"{local_dir}: no '*embed_tokens.weight' tensor in the checkpoint")
+    lm_head = read("lm_head.weight")
+    return embed, embed if lm_head is None else lm_head

@@ -103,11 +103,36 @@ def tiny_qwen3():
 
 
 @pytest.fixture(scope="session")
-def ray_local():
-    """One local Ray instance for the whole test session (``ray.init`` costs seconds)."""
+def ray_local(s3_server):
+    """One local Ray instance for the whole test session (``ray.init`` costs seconds).
+
+    Started after the S3 server so that its workers inherit the AWS_* environment, as the workers
+    of a real cluster node inherit that node's credentials.
+    """
     import ray
 
     tmp = Path("/tmp") / f"rt{os.getpid()}"
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer (vocab 512, ChatML template) trained on a few stdlib modules."""
+    import sysconfig
+
+    from pipeline.embedded.tokenizer import build_tokenizer
+
+    src = Path(sysconfig.get_paths()["stdlib"]) / "json"
+    texts = [p.read_text() for p in sorted(src.glob("*.py"))]
+    return build_tokenizer(texts * 2 + ["word " * 50], vocab_size=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, tiny_qwen3, tiny_tokenizer) -> str:
+    """A local target folder (random tiny Qwen3 + tokenizer), loadable with local_files_only."""
+    d = tmp_path_factory.mktemp("tiny_target")
+    tiny_qwen3.save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return str(d)

@@ -1,0 +1,83 @@
+"""Exceptions raised by the cache contract library.
+
+Every class derives from :class:`CacheError`, so a caller can catch the whole family at once.
+Messages always say what to do next (the fix), not only what went wrong.
+"""
+from __future__ import annotations
+
+
+class CacheError(Exception):
+    """Base class of every error raised by ``cache_schema``."""
+
+
+class InvalidFingerprintError(CacheError, ValueError):
+    """A :class:`~cache_schema.fingerprint.Fingerprint` has an invalid field value or JSON form."""
+
+
+class FingerprintMismatchError(CacheError):
+    """The fingerprint stored at a cache root differs from the expected one.
+
+    Attributes:
+        differences: list of ``(field, stored value, expected value)`` tuples; nested dict fields
+            are named with dots, e.g. ``target.hidden_size``.
+    """
+
+    def __init__(self, root_url: str, differences: list[tuple[str, object, object]]):
+        self.differences = differences
+        lines = "\n".join(f"  {name}: stored={stored!r} expected={expected!r}"
+                          for name, stored, expected in differences)
+        super().__init__(
+            f"cache at {root_url} was written with a different fingerprint; differing fields:\n{lines}\n"
+            "Use another cache root for this configuration, or fix the configuration to match "
+            "the cache.")
+
+
+class SchemaVersionError(CacheError):
+    """A cache root or a fingerprint uses a schema version this library does not read or write."""
+
+
+class CacheNotFoundError(CacheError, FileNotFoundError):
+    """No cache (no fingerprint object) exists at the given root."""
+
+
+class InvalidSampleError(CacheError, ValueError):
+    """A :class:`~cache_schema.layout.CacheSample` has a wrong dtype, shape, value or provenance."""
+
+
+class NonFiniteSampleError(InvalidSampleError):
+    """A sample's features or final hidden state hold NaN or infinity (on write or on read)."""
+
+
+class InvalidStorageConfigError(CacheError, ValueError):
+    """A :class:`~cache_schema.layout.StorageConfig` has unusable sizes."""
+
+
+class InvalidRecordError(CacheError, ValueError):
+    """A commit-record input from the caller (``writer_id``, ``extra``) is unusable."""
+
+
+class ShardAlreadyCommittedError(CacheError, FileExistsError):
+    """A shard that already has a commit record was written again; committed shards are immutable."""
+
+
+class ShardNotCommittedError(CacheError, KeyError):
+    """A shard index was requested that has no commit record."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class CorruptRecordError(CacheError):
+    """A commit record or the fingerprint object cannot be parsed."""
+
+
+class MissingObjectError(CacheError, FileNotFoundError):
+    """A data object named in a shard's commit record is absent from storage."""
+
+
+class TruncatedObjectError(CacheError):
+    """A data object's stored size differs from the size in the shard's commit record."""
+
+
+class ChecksumMismatchError(CacheError):
+    """An array's content checksum differs from the one in the shard's commit record."""

@@ -1,0 +1,296 @@
+"""Cache root access and the shard commit protocol (local disk or object storage, via fsspec).
+
+Commit protocol for one shard (the unit of work and of ownership):
+
+1. refuse if the shard's commit record exists (committed shards are immutable);
+2. validate every sample (dtypes, shapes, provenance, finite values) before touching storage;
+3. remove whatever objects an earlier, uncommitted attempt left in the shard group;
+4. write the Zarr group and each array in ONE call (never chunk by chunk, never from two writers);
+5. list the written objects and write the commit record LAST, created only if absent.
+
+Two writers never touch one shard: the pipeline assigns each shard index to exactly one task at a
+time. The exclusive create of the commit record makes a violation fail loudly at commit time, but
+it cannot undo a concurrent writer's damage to the data objects, so the rule is the caller's to keep.
+Every listing invalidates the fsspec listing cache first, so a stale cache never hides a commit.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from datetime import datetime, timezone
+from typing import Any
+
+import fsspec
+import zarr
+from fsspec.utils import get_protocol
+from zarr.codecs import ZstdCodec
+from zarr.storage import FsspecStore
+
+from cache_schema.errors import (CacheNotFoundError, CorruptRecordError, FingerprintMismatchError,
+                                 InvalidFingerprintError, InvalidRecordError, InvalidSampleError,
+                                 SchemaVersionError, ShardAlreadyCommittedError, ShardNotCommittedError)
+from cache_schema.fingerprint import Fingerprint
+from cache_schema.layout import (COMMITS_DIR, FINGERPRINT_OBJECT, SCHEMA_VERSION, CacheSample,
+                                 EncodedShard, ShardRecord, StorageConfig, array_sha256, check_sample,
+                                 commit_key, encode_shard, parse_shard_name, shard_group_key)
+
+
+def _fs_options(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """fsspec options for ``url``: local disk creates parent folders on write like object storage."""
+    local = {"auto_mkdir": True} if get_protocol(url) in ("file", "local") else {}
+    return {**local, **(storage_options or {})}
+
+
+def _read_or_none(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:
+    fs.invalidate_cache(path)
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+
+
+class CacheRoot:
+    """One cache root: its validated fingerprint, its committed-shard index and the shard writer.
+
+    Create it with :func:`open_cache`. Picklable (fsspec filesystems pickle), so a Ray actor can
+    receive one. ``fingerprint`` is always the one stored at the root.
+
+    Attributes:
+        url: the root as a protocol-qualified URL; fs, path: its fsspec filesystem and path.
+        fingerprint: the stored Fingerprint; storage: the StorageConfig used for writes.
+    """
+
+    def __init__(self, url: str, fs: fsspec.AbstractFileSystem, path: str, fingerprint: Fingerprint,
+                 storage: StorageConfig, fs_options: dict[str, Any]):
+        self.url, self.fs, self.path = url, fs, path
+        self.fingerprint, self.storage = fingerprint, storage
+        self._fs_options = fs_options
+
+    def __repr__(self) -> str:
+        return f"CacheRoot({self.url!r})"
+
+    def _path(self, key: str) -> str:
+        return f"{self.path}/{key}"
+
+    def committed_shards(self) -> list[int]:
+        """Ascending indices of the committed shards (one fresh listing of ``commits/``)."""
+        folder = self._path(COMMITS_DIR)
+        self.fs.invalidate_cache(folder)
+        try:
+            names = self.fs.ls(folder, detail=False)
+        except FileNotFoundError:
+            return []
+        stems = (name.rsplit("/", 1)[-1] for name in names)
+        indices = (parse_shard_name(s[:-len(".json")]) for s in stems if s.endswith(".json"))
+        return sorted(i for i in indices if i is not None)
+
+    def committed_records(self) -> dict[int, ShardRecord]:
+        """The cache index: commit records of all committed shards, keyed and ordered by shard index.
+
+        Raises:
+            CorruptRecordError: a record is unreadable or belongs to another shard or fingerprint.
+        """
+        indices = self.committed_shards()
+        if not indices:
+            return {}
+        texts = self.fs.cat([self._path(commit_key(i)) for i in indices])
+        by_name = {path.rsplit("/", 1)[-1]: text for path, text in texts.items()}
+        return {i: self._parse_record(i, by_name[commit_key(i).rsplit("/", 1)[-1]]) for i in indices}
+
+    def is_committed(self, shard_index: int) -> bool:
+        """Whether the shard has a commit record (fresh check, no listing cache)."""
+        path = self._path(commit_key(shard_index))
+        self.fs.invalidate_cache(path)
+        return bool(self.fs.exists(path))
+
+    def record(self, shard_index: int) -> ShardRecord:
+        """The shard's commit record.
+
+        Raises:
+            ShardNotCommittedError: the shard has no commit record.
+            CorruptRecordError: the record is unreadable or does not match this cache.
+        """
+        text = _read_or_none(self.fs, self._path(commit_key(shard_index)))
+        if text is None:
+            raise ShardNotCommittedError(
+                f"shard {shard_index} of {self.url} is not committed; list committed shards with "
+                "committed_shards() or run the cache stage to write it")
+        return self._parse_record(shard_index, text)
+
+    def _parse_record(self, shard_index: int, text: bytes) -> ShardRecord:
+        where = self.fs.unstrip_protocol(self._path(commit_key(shard_index)))
+        record = ShardRecord.from_json(text, where)
+        if record.shard_index != shard_index or record.fingerprint_sha256 != self.fingerprint.digest():
+            raise CorruptRecordError(
+                f"commit record {where} names shard {record.shard_index} and fingerprint "
+                f"{record.fingerprint_sha256[:12]}..., not shard {shard_index} of this cache "
+                f"({self.fingerprint.digest()[:12]}...); it was copied from elsewhere: delete it and "
+                "the shard group, then rerun the cache stage")
+        return record
+
+    def shard_objects(self, shard_index: int) -> dict[str, int]:
+        """Sizes in bytes of the objects now under the shard group, keyed by path in the group."""
+        group = self._path(shard_group_key(shard_index))
+        self.fs.invalidate_cache(group)
+        try:
+            found = self.fs.find(group, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {name[len(group) + 1:]: int(info["size"]) for name, info in found.items()
+                if info["type"] == "file"}
+
+    def shard_store(self, shard_index: int, *, read_only: bool) -> FsspecStore:
+        """Zarr store of the shard group. Read-only stores raise FileNotFoundError on a missing
+        object instead of returning zarr's fill value."""
+        url = self.fs.unstrip_protocol(self._path(shard_group_key(shard_index)))
+        if read_only:
+            return FsspecStore.from_url(url, storage_options=self._fs_options, read_only=True,
+                                        allowed_exceptions=())
+        return FsspecStore.from_url(url, storage_options=self._fs_options)
+
+    def write_shard(self, shard_index: int, samples: list[CacheSample], *, writer_id: str,
+                    extra: dict[str, Any] | None = None) -> ShardRecord:
+        """Write one shard's samples and commit it (see the module docstring for the protocol).
+
+        Writes every sample given, in order (skipping rows is the caller's job). An empty list
+        writes an empty, committed shard (useful when every row of a shard was skipped).
+
+        Args:
+            shard_index: the shard's index (>= 0), owned by this writer alone.
+            samples: CacheSample list; features [T, L*H] and last_hidden [T_sup, H] must match
+                the fingerprint (L = len(target_layer_ids), H = target["hidden_size"]).
+            writer_id: non-empty id of the writing task (host, actor, attempt).
+            extra: JSON-serialisable dict stored in the record (e.g. skipped rows by reason).
+        Returns:
+            The commit record written.
+        Raises:
+            ShardAlreadyCommittedError: the shard is committed (before writing, or by another
+                writer during this one's write).
+            InvalidSampleError / NonFiniteSampleError: a sample is invalid (message names its id).
+            InvalidRecordError: writer_id empty or extra not JSON-serialisable.
+        """
+        fp = self.fingerprint
+        commit_path = self._path(commit_key(shard_index))
+        if self.is_committed(shard_index):
+            raise ShardAlreadyCommittedError(
+                f"shard {shard_index} of {self.url} is already committed; committed shards are "
+                f"immutable: skip it, or delete {commit_key(shard_index)} and its group to rewrite it")
+        if not isinstance(writer_id, str) or not writer_id:
+            raise InvalidRecordError("writer_id must be a non-empty str naming the writing task")
+        extra = dict(extra or {})
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRecordError(
+                f"extra must be JSON-serialisable (str keys, plain values): {exc}") from exc
+        for sample in samples:
+            check_sample(sample, feature_width=fp.feature_width, hidden_size=fp.hidden_size,
+                         max_length=fp.max_length)
+        repeated = sorted(i for i, n in Counter(s.sample_id for s in samples).items() if n > 1)
+        if repeated:
+            raise InvalidSampleError(f"sample ids {repeated} occur more than once in shard "
+                                     f"{shard_index}; make sample ids unique")
+        encoded = encode_shard(samples, feature_dtype=fp.feature_dtype,
+                               feature_width=fp.feature_width, hidden_size=fp.hidden_size)
+        self._write_group(shard_index, encoded)
+        record = ShardRecord(
+            schema_version=SCHEMA_VERSION, shard_index=shard_index, num_samples=len(samples),
+            num_tokens=sum(s.num_tokens for s in samples),
+            num_supervised_tokens=sum(s.num_supervised_tokens for s in samples),
+            num_hidden_rows=sum(s.num_hidden_rows for s in samples),
+            object_bytes=self.shard_objects(shard_index),
+            checksums={name: array_sha256(data) for name, data in encoded.arrays.items()},
+            fingerprint_sha256=fp.digest(), writer_id=writer_id,
+            created_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"), extra=extra)
+        try:
+            with self.fs.open(commit_path, "xb") as f:
+                f.write(record.to_json().encode())
+        except FileExistsError as exc:
+            raise ShardAlreadyCommittedError(
+                f"shard {shard_index} of {self.url} was committed by another writer while "
+                f"{writer_id!r} wrote it: two writers must never share a shard; fix the shard "
+                "assignment, then verify the shard (its data may be mixed)") from exc
+        return record
+
+
+    def _write_group(self, shard_index: int, encoded: EncodedShard) -> None:
+        """Replace the shard group: remove leftovers of an uncommitted attempt, then write the group
+        and each array in one call (one writer per zarr shard object: no lost updates)."""
+        if self.shard_objects(shard_index):
+            group = self._path(shard_group_key(shard_index))
+            self.fs.rm(group, recursive=True)
+            self.fs.invalidate_cache(group)
+        store = self.shard_store(shard_index, read_only=False)
+        zarr.create_group(store, attributes=encoded.group_attributes, zarr_format=3)
+        level = self.storage.zstd_level
+        compressors = None if level is None else ZstdCodec(level=level)
+        for name, data in encoded.arrays.items():
+            chunks, shards = self.storage.grid(data.shape, data.itemsize)
+            zarr.create_array(store, name=name, data=data, chunks=chunks, shards=shards,
+                              compressors=compressors, zarr_format=3,
+                              attributes=encoded.array_attributes.get(name, {}),
+                              config={"write_empty_chunks": True})
+
+
+def _load_fingerprint(url: str, text: bytes) -> Fingerprint:
+    where = f"{url}/{FINGERPRINT_OBJECT}"
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptRecordError(
+            f"{where} is not JSON ({exc}); restore it or use a new cache root") from exc
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    if version != SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"cache at {url} has schema version {version!r}; this library reads version "
+            f"{SCHEMA_VERSION}: use the matching code version or rebuild the cache at a new root")
+    try:
+        return Fingerprint.from_dict(data)
+    except InvalidFingerprintError as exc:
+        raise CorruptRecordError(f"{where} is not a valid fingerprint: {exc}") from exc
+
+
+def open_cache(root_url: str, fingerprint: Fingerprint | None = None, *, create: bool = True,
+               storage: StorageConfig | None = None,
+               storage_options: dict[str, Any] | None = None) -> CacheRoot:
+    """Open a cache root, creating it (writing its fingerprint) when absent and allowed.
+
+    Args:
+        root_url: fsspec URL or local path of the root (``s3://bucket/prefix``, ``/data/cache``).
+        fingerprint: the expected fingerprint; None opens an existing cache as stored.
+        create: create the root when no fingerprint is stored (needs ``fingerprint``).
+        storage: chunk/shard sizes and compression for writes (default StorageConfig()).
+        storage_options: extra fsspec options (credentials, endpoint); env vars work too.
+    Returns:
+        The CacheRoot. A non-empty root folder without a fingerprint is fine (never refused).
+    Raises:
+        CacheNotFoundError: no fingerprint stored and ``create`` is False or fingerprint is None.
+        SchemaVersionError: stored or given schema version is not this library's.
+        FingerprintMismatchError: stored fingerprint differs; lists (field, stored, expected).
+        CorruptRecordError: the stored fingerprint is unreadable.
+    """
+    options = _fs_options(root_url, storage_options)
+    fs, path = fsspec.core.url_to_fs(root_url, **options)
+    path = path.rstrip("/")
+    url = fs.unstrip_protocol(path)
+    if fingerprint is not None and fingerprint.schema_version != SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"fingerprint has schema_version {fingerprint.schema_version}; this library writes "
+            f"version {SCHEMA_VERSION}: build the fingerprint with the default schema_version")
+    fp_path = f"{path}/{FINGERPRINT_OBJECT}"
+    text = _read_or_none(fs, fp_path)
+    if text is None:
+        if fingerprint is None or not create:
+            raise CacheNotFoundError(
+                f"no cache at {url} (no {FINGERPRINT_OBJECT}); check the URL or run the cache stage")
+        try:
+            with fs.open(fp_path, "xb") as f:
+                f.write(fingerprint.to_json().encode())
+        except FileExistsError:  # another writer created the root at the same moment
+            text = _read_or_none(fs, fp_path)
+    stored = fingerprint if text is None else _load_fingerprint(url, text)
+    if fingerprint is not None:
+        differences = stored.diff(fingerprint)
+        if differences:
+            raise FingerprintMismatchError(url, differences)
+    return CacheRoot(url, fs, path, stored, storage or StorageConfig(), options)

@@ -1,0 +1,288 @@
+"""Cache stage: chats -> frozen-target prefill -> sharded Zarr cache (DESIGN.md section 4).
+
+Pipeline (Ray Data): plan spans (one shard = a fixed row range of one input file) -> skip
+committed shards -> render and tokenize each shard's rows (CPU tasks) -> size estimate and budget
+check -> an actor pool of prefill writers, one shard per call: length-aware batches, hooks capture
+the target layers, the actor writes and commits the shard itself and returns only metadata (no
+tensor crosses the object store). A rerun skips committed shards and rewrites uncommitted ones, so
+a killed run ends, after a rerun, with exactly the samples of an uninterrupted one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from cache_schema import CacheSample, Fingerprint, StorageConfig, estimate_cache_bytes, open_cache, tensor_sha256
+from cache_schema.layout import shard_name
+from pipeline.chats import BadRow, RowCounts, RowError, ShardSpan, iter_chats, plan_spans
+from pipeline.config import RunConfig
+from pipeline.errors import PipelineError
+from pipeline.render import render_chat, render_options
+from pipeline.storage import filesystem, join
+
+log = logging.getLogger("pipeline.cache")
+
+
+class StorageBudgetError(PipelineError):
+    """The size estimate exceeds ``cache.storage_budget_bytes``."""
+
+
+def cache_url(cfg: RunConfig) -> str:
+    """The cache root of a run: ``<run_dir>/cache``."""
+    return join(cfg.run_dir, "cache")
+
+
+def input_files(cfg: RunConfig) -> list[str]:
+    """The chat files the cache reads: the generate stage's output when the config chains them
+    (``generate.enabled``), else ``data.train_files``; ``embedded:`` names resolved."""
+    if cfg.generate.enabled:
+        try:
+            from pipeline.generate import generated_files
+        except ImportError:
+            raise PipelineError("generate.enabled=true but this build has no generate stage; set "
+                                "generate.enabled=false to cache data.train_files as they are") from None
+        return generated_files(cfg)
+    files = [_resolve(f) for f in cfg.data.train_files]
+    if not files:
+        raise PipelineError("data.train_files is empty: list the chat files (JSONL or Parquet) to cache")
+    return files
+
+
+def _resolve(url: str) -> str:
+    if url.startswith("embedded:"):
+        from pipeline.embedded import resolve_embedded
+
+        return resolve_embedded(url)
+    return url
+
+
+def target_fingerprint(cfg: RunConfig, tokenizer, local_dir: str, model_config) -> Fingerprint:
+    """The cache fingerprint of DESIGN.md section 4 for this target, tokenizer and config.
+
+    Hashes the target's weights that the drafter shares (``embed_tokens``, ``lm_head``), never its
+    name; the tokenizer by its serialised state; the chat template by its text.
+    """
+    from pipeline.target import load_shared_weights
+
+    embed, lm_head = load_shared_weights(local_dir)
+    conf = model_config.to_dict()
+    for transient in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures"):
+        conf.pop(transient, None)
+    conf_hash = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest()
+    target = {"model_type": model_config.model_type, "hidden_size": int(model_config.hidden_size),
+              "num_hidden_layers": int(model_config.num_hidden_layers),
+              "vocab_size": int(model_config.vocab_size), "config_sha256": conf_hash,
+              "prefill_dtype": cfg.target.dtype}
+    tok_state = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else repr(tokenizer)
+    return Fingerprint(
+        target=target, embed_hash=tensor_sha256(embed), lm_head_hash=tensor_sha256(lm_head),
+        tokenizer_hash=hashlib.sha256(tok_state.encode()).hexdigest(),
+        chat_template_hash=hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest(),
+        render_options=render_options(cfg.data.render), target_layer_ids=tuple(cfg.target.target_layer_ids),
+        feature_dtype=cfg.cache.feature_dtype.value, max_length=cfg.data.max_length,
+        min_loss_tokens=cfg.data.min_loss_tokens)
+
+
+@lru_cache(maxsize=2)
+def _tokenizer(local_dir: str):
+    from transformers import AutoTokenizer
+
+    # no length warning: samples are truncated to data.max_length by the renderer itself
+    return AutoTokenizer.from_pretrained(local_dir, local_files_only=True, model_max_length=2**31 - 1)
+
+
+def render_shard(span: ShardSpan, shard: int, cfg: RunConfig, local_dir: str) -> dict[str, Any]:
+    """Render one shard's rows (a pure CPU task).
+
+    Returns:
+        A row for the prefill actors: ``shard``; ``ids`` int32 [N] and ``mask`` uint8 [N] (all kept
+        samples concatenated), ``offsets`` int64 [n+1], ``rows`` int64 [n], ``hashes`` (JSON list),
+        ``bad`` (JSON list of quarantine records), ``skipped`` (JSON {reason: count}), counts.
+    """
+    tok = _tokenizer(local_dir)
+    ids, masks, rows, hashes, bad = [], [], [], [], []
+    counts = RowCounts()
+    for item in iter_chats(span.url, span.source, span=span):
+        if isinstance(item, BadRow):
+            bad.append(item)
+            continue
+        try:
+            r = render_chat(tok, item.messages, cfg.data.render, max_length=cfg.data.max_length,
+                            min_loss_tokens=cfg.data.min_loss_tokens)
+        except RowError as e:
+            bad.append(BadRow(item.source, item.row, item.path, e.reason, e.detail, item.row_id))
+            continue
+        ids.append(r.input_ids)
+        masks.append(r.loss_mask)
+        rows.append(item.row)
+        hashes.append(r.content_hash)
+    for b in bad:
+        counts.skip(b.reason)
+    counts.kept = len(ids)
+    lengths = [len(x) for x in ids]
+    return {
+        "shard": shard, "source": span.source, "row_start": span.row_start, "row_end": span.row_end,
+        "ids": np.concatenate(ids) if ids else np.zeros(0, np.int32),
+        "mask": np.concatenate(masks) if masks else np.zeros(0, np.uint8),
+        "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        "rows": np.asarray(rows, dtype=np.int64), "hashes": json.dumps(hashes),
+        "bad": json.dumps([b.record() for b in bad]), "skipped": json.dumps(counts.skipped),
+        "num_samples": len(ids), "num_tokens": int(sum(lengths)),
+        "num_supervised": int(sum(int(m.sum()) for m in masks)),
+        "num_hidden_rows": int(sum(int(m[1:].sum()) for m in masks)),
+    }
+
+
+class ShardPrefillWriter:
+    """The prefill actor: owns whole shards; computes, writes and commits each one it is given.
+
+    Returns only metadata (counts, bytes, seconds) to the driver.
+    """
+
+    def __init__(self, cfg: RunConfig, root_url: str, fingerprint: Fingerprint, storage: StorageConfig):
+        import torch
+
+        from pipeline.prefill import TargetPrefill
+        from pipeline.target import load_target
+
+        cuda = cfg.cache.gpus_per_worker > 0 and torch.cuda.is_available()
+        model, _, _ = load_target(cfg.target, "cuda" if cuda else "cpu")
+        self.prefill = TargetPrefill(model, cfg.target.target_layer_ids)
+        self.root = open_cache(root_url, fingerprint, create=False, storage=storage)
+        self.max_tokens = cfg.cache.max_tokens_per_batch
+        self.writer_id = f"{socket.gethostname()}:{os.getpid()}"
+
+    def __call__(self, work: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        from pipeline.prefill import length_batches
+
+        shard, offsets = int(work["shard"]), np.asarray(work["offsets"])
+        all_ids, all_mask = np.array(work["ids"], dtype=np.int32), np.array(work["mask"], dtype=np.uint8)
+        ids = [all_ids[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        masks = [all_mask[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        t0 = time.perf_counter()
+        outs = [None] * len(ids)
+        for batch in length_batches([len(x) for x in ids], self.max_tokens):
+            for i, out in zip(batch, self.prefill([ids[i] for i in batch], [masks[i] for i in batch])):
+                outs[i] = out
+        prefill_s = time.perf_counter() - t0
+        source, hashes = int(work["source"]), json.loads(work["hashes"])
+        samples = [CacheSample(input_ids=torch.as_tensor(x), loss_mask=torch.as_tensor(m),
+                               features=o.features, last_hidden=o.last_hidden,
+                               sample_id=f"{source}-{int(r)}", source=source, row=int(r), content_hash=h)
+                   for x, m, o, r, h in zip(ids, masks, outs, work["rows"], hashes)]
+        bad = json.loads(work["bad"])
+        if bad:  # quarantine first: the commit record must never precede anything of the shard
+            fs, path = filesystem(join(self.root.url, "quarantine", f"{shard_name(shard)}.jsonl"))
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            fs.pipe_file(path, "".join(json.dumps(b) + "\n" for b in bad).encode())
+        extra = {"skipped": json.loads(work["skipped"]), "source": source,
+                 "rows": [int(work["row_start"]), int(work["row_end"])]}
+        record = self.root.write_shard(shard, samples, writer_id=self.writer_id, extra=extra)
+        return {"shard": shard, "num_samples": record.num_samples, "num_tokens": record.num_tokens,
+                "bytes": record.total_bytes, "prefill_seconds": prefill_s}
+
+
+def plan(cfg: RunConfig) -> list[tuple[int, ShardSpan]]:
+    """All shards of the run as ``(shard index, span)``, numbered across files in input order."""
+    spans = []
+    for source, url in enumerate(input_files(cfg)):
+        spans += plan_spans(url, source, cfg.cache.rows_per_shard)
+    if cfg.cache.max_rows is not None:  # a prefix of the inputs, still in whole spans
+        kept, rows = [], 0
+        for s in spans:
+            if rows >= cfg.cache.max_rows:
+                break
+            kept.append(s)
+            rows += s.row_end - s.row_start
+        spans = kept
+    return list(enumerate(spans))
+
+
+def storage_config(cfg: RunConfig) -> StorageConfig:
+    return StorageConfig(zstd_level=3 if cfg.cache.compression == "zstd" else None)
+
+
+def run_cache(cfg: RunConfig) -> dict[str, Any]:
+    """The cache stage (``+stage=cache``). Returns the summary written to ``cache/summary.json``.
+
+    Raises:
+        FingerprintMismatchError: the output holds a cache of another target/config.
+        StorageBudgetError: the estimate exceeds ``cache.storage_budget_bytes`` (before prefill).
+    """
+    import ray
+    from tqdm import tqdm
+    from transformers import AutoConfig
+
+    from pipeline.cluster import init_ray
+    from pipeline.target import resolve_target_path
+
+    local_dir = resolve_target_path(cfg.target.path)
+    tok = _tokenizer(local_dir)
+    fp = target_fingerprint(cfg, tok, local_dir, AutoConfig.from_pretrained(local_dir, local_files_only=True))
+    root_url = cache_url(cfg)
+    storage = storage_config(cfg)
+    root = open_cache(root_url, fp, create=True, storage=storage)
+    shards = plan(cfg)
+    done = set(root.committed_shards())
+    pending = [(i, s) for i, s in shards if i not in done]
+    log.info("cache: %d shards planned, %d already committed, %d to write", len(shards), len(done), len(pending))
+    run = {"shards_planned": len(shards), "shards_already_committed": len(done & {i for i, _ in shards}),
+           "shards_written": 0, "estimate_bytes": 0, "prefill_tokens_per_s": None}
+    if pending:
+        init_ray(cfg.ray)
+        items = [{"shard": i, **asdict(s)} for i, s in pending]
+        rendered = ray.data.from_items(items).map(
+            lambda it: render_shard(ShardSpan(**{k: it[k] for k in ShardSpan.__dataclass_fields__}),
+                                    it["shard"], cfg, local_dir)).materialize()
+        counts = rendered.select_columns(["num_samples", "num_tokens", "num_supervised", "num_hidden_rows"]).take_all()
+        tokens = sum(c["num_tokens"] for c in counts)
+        est = estimate_cache_bytes(tokens, hidden_size=fp.hidden_size, num_target_layers=len(fp.target_layer_ids),
+                                   feature_dtype=fp.feature_dtype, num_samples=sum(c["num_samples"] for c in counts),
+                                   supervised_fraction=sum(c["num_hidden_rows"] for c in counts) / max(tokens, 1))
+        run["estimate_bytes"] = est.total_bytes
+        print(f"cache: {len(pending)} shards, {tokens:,} tokens to prefill; estimated "
+              f"{est.total_bytes / 2**20:,.1f} MiB at {est.bytes_per_token:,.0f} bytes/token", flush=True)
+        budget = cfg.cache.storage_budget_bytes
+        if budget is not None and est.total_bytes > budget:
+            raise StorageBudgetError(
+                f"the cache needs about {est.total_bytes:,} bytes, above cache.storage_budget_bytes="
+                f"{budget:,}; raise the budget, use cache.feature_dtype=fp8_e4m3, or cache fewer rows "
+                "(cache.max_rows)")
+        writers = rendered.map(ShardPrefillWriter, fn_constructor_args=(cfg, root_url, fp, storage),
+                               compute=ray.data.ActorPoolStrategy(size=cfg.cache.num_workers),
+                               num_gpus=cfg.cache.gpus_per_worker or None, num_cpus=1)
+        t0, n_tok = time.perf_counter(), 0
+        with tqdm(total=tokens, unit="tok", desc="cache", unit_scale=True) as bar:
+            for meta in writers.iter_rows():
+                run["shards_written"] += 1
+                n_tok += meta["num_tokens"]
+                bar.update(meta["num_tokens"])
+                bar.set_postfix(shards=run["shards_written"], MiB=f"{meta['bytes'] / 2**20:.1f}")
+        run["prefill_tokens_per_s"] = round(n_tok / max(time.perf_counter() - t0, 1e-9), 1)
+    return {**run, **cache_totals(root_url)}
+
+
+def cache_totals(root_url: str) -> dict[str, Any]:
+    """Totals over every committed shard of a cache (what ``summary.json`` and ``ops stat`` show)."""
+    root = open_cache(root_url, create=False)
+    records = root.committed_records()
+    skipped = RowCounts()
+    for r in records.values():
+        skipped.merge(RowCounts(0, r.extra.get("skipped", {})))
+    tokens = sum(r.num_tokens for r in records.values())
+    nbytes = sum(r.total_bytes for r in records.values())
+    return {"shards": len(records), "samples": sum(r.num_samples for r in records.values()),
+            "tokens": tokens, "supervised_tokens": sum(r.num_supervised_tokens for r in records.values()),
+            "bytes": nbytes, "bytes_per_token": round(nbytes / max(tokens, 1), 2),
+            "skipped_rows": dict(sorted(skipped.skipped.items())), "fingerprint": root.fingerprint.to_dict()}

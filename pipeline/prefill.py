@@ -1,0 +1,127 @@
+"""Frozen-target prefill: capture the hidden states the drafter needs, batch by batch.
+
+Pure PyTorch (no Ray): the cache stage's actors wrap :class:`TargetPrefill`.
+
+Layer-id convention (DESIGN.md section 2): id k is the output of decoder layer k (before the final
+norm; equal to ``output_hidden_states[k + 1]`` for every layer but the last), id -1 is the
+embedding output. Ids are strictly ascending; the final layer is refused, because HF's
+``output_hidden_states[-1]`` is taken after the final norm and the drafter's context is pre-norm.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from pipeline.errors import ConfigError
+
+
+def check_layer_ids(ids: Sequence[int], num_layers: int) -> None:
+    """Raise ConfigError unless ``ids`` are strictly ascending, in ``[-1, num_layers - 2]``."""
+    ids = list(ids)
+    if not ids or any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ConfigError(f"target.target_layer_ids: must be strictly ascending (got {ids})")
+    if ids[0] < -1 or ids[-1] > num_layers - 2:
+        raise ConfigError(f"target.target_layer_ids: ids must lie in [-1, {num_layers - 2}] for a "
+                          f"{num_layers}-layer target (got {ids}); the final layer {num_layers - 1} "
+                          "is refused (HF returns it after the final norm)")
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    """One sample's captured states.
+
+    ``features``: bf16 [T, L*H], the target layers in ``target_layer_ids`` order, concatenated.
+    ``last_hidden``: bf16 [T_sup, H], final post-norm hidden state at positions t whose next
+    token is supervised (``loss_mask[t + 1] == 1``), in increasing t.
+    """
+
+    features: torch.Tensor
+    last_hidden: torch.Tensor
+
+
+def next_supervised_positions(loss_mask: np.ndarray) -> np.ndarray:
+    """Positions t (int64) with ``loss_mask[t + 1] == 1``: their logits give a supervised token's
+    target distribution."""
+    return np.flatnonzero(np.asarray(loss_mask)[1:] == 1)
+
+
+def length_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Length-aware batching: indices sorted by length, grouped so that a batch's padded size
+    ``len(batch) * max(length)`` stays within ``max_tokens`` (a longer sample goes alone).
+
+    Returns:
+        Lists of indices into ``lengths``; every index appears exactly once.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches, cur = [], []
+    for i in order:  # ascending length: the newest sample sets the padded width
+        if cur and (len(cur) + 1) * lengths[i] > max_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+class TargetPrefill:
+    """Runs the frozen target over batches and returns per-sample :class:`PrefillOutput`.
+
+    Args:
+        model: a HF ``*ForCausalLM`` (Qwen3 family) in eval mode; only its base model runs, the
+            ``lm_head`` is never applied here (target distributions are recomputed at train time).
+        target_layer_ids: see module docstring.
+
+    Raises:
+        ConfigError: bad layer ids for this target.
+    """
+
+    def __init__(self, model: torch.nn.Module, target_layer_ids: Sequence[int]):
+        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.ids = list(target_layer_ids)
+        check_layer_ids(self.ids, len(self.base.layers))
+        self.device = next(model.parameters()).device
+        self._captured: dict[int, torch.Tensor] = {}
+        self._handles = []
+        for k in self.ids:
+            module = self.base.embed_tokens if k == -1 else self.base.layers[k]
+            self._handles.append(module.register_forward_hook(self._hook(k)))
+        self._handles.append(self.base.norm.register_forward_hook(self._hook("norm")))
+
+    def _hook(self, key):
+        def hook(_module, _inputs, output):
+            self._captured[key] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]) -> list[PrefillOutput]:
+        """Prefill one right-padded batch.
+
+        Args:
+            input_ids: per sample int [T_i].
+            loss_masks: per sample uint8 [T_i].
+
+        Returns:
+            One :class:`PrefillOutput` per sample, equal (up to float rounding of batched kernels)
+            to a batch-1 forward: right padding never reaches real tokens under causal attention.
+        """
+        lengths = [len(x) for x in input_ids]
+        width = max(lengths)
+        ids = torch.zeros(len(lengths), width, dtype=torch.long)
+        attn = torch.zeros(len(lengths), width, dtype=torch.long)
+        for i, x in enumerate(input_ids):
+            ids[i, : lengths[i]] = torch.as_tensor(np.asarray(x, dtype=np.int64))
+            attn[i, : lengths[i]] = 1
+        self._captured.clear()
+        self.base(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False)
+        feats = torch.cat([self._captured[k] for k in self.ids], dim=-1).to("cpu", torch.bfloat16)
+        final = self._captured["norm"].to("cpu", torch.bfloat16)
+        out = []
+        for i, n in enumerate(lengths):
+            pos = torch.as_tensor(next_supervised_positions(loss_masks[i]))
+            out.append(PrefillOutput(feats[i, :n].clone(), final[i, pos].clone()))
+        self._captured.clear()
+        return out
