@@ -1,0 +1,52 @@
+"""The cache stage submitted with `ray job submit` to a local Ray head (127.0.0.1)."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.run import DEFAULT_CONFIG
+
+pytestmark = pytest.mark.integration
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    temp = Path("/tmp") / f"rh{os.getpid()}"
+    dash = _port()
+    subprocess.run([ray_bin, "start", "--head", f"--port={_port()}", "--num-cpus=2", f"--temp-dir={temp}",
+                    "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                    "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=120)
+    try:
+        yield ray_bin, f"http://127.0.0.1:{dash}", env
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_cache_stage_via_ray_job_submit(ray_head, tiny_target_dir, shared_cases, tmp_path):
+    ray_bin, address, env = ray_head
+    run_dir = tmp_path / "run"
+    entry = [sys.executable, "-m", "pipeline.run", "+stage=cache", str(DEFAULT_CONFIG),
+             f"target.path={tiny_target_dir}", f"run_dir={run_dir}", "generate.enabled=false",
+             f"data.train_files=[{shared_cases}/chats/sharegpt.jsonl]", "data.min_loss_tokens=1",
+             "cache.rows_per_shard=3"]
+    r = subprocess.run([ray_bin, "job", "submit", "--address", address, "--", *entry], env=env,
+                       capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "succeeded" in r.stdout
+    summary = json.loads((run_dir / "cache" / "summary.json").read_text())
+    assert summary["shards"] == 2 and summary["samples"] == 4  # s1 s2 s3 s6
+    assert summary["skipped_rows"] == {"no_user_turn": 1, "unknown_role": 1}
