@@ -127,8 +127,7 @@ class DrafterSpec:
     mask_token_id: int = 151669
     head: SequentialHead = SequentialHead.markov
     markov_rank: int = 256
-    confidence_head: bool = True
-    confidence_with_markov: bool = True
+    confidence_head: bool = True  # on [h_k ; W1[x_{k-1}]] when a sequential head exists, else [h_k]
     confidence_grad_to_backbone: bool = False
     draft_vocab_size: Optional[int] = None
 
@@ -157,6 +156,7 @@ class TrainConfig:
     decay_lambda: float = 4.0
     heldout_shards: int = 1
     checkpoint_every_steps: int = 200
+    max_failures: int = 2  # Ray Train restarts of a failed worker group (from the last checkpoint)
     seed: int = 0
 
 
@@ -236,8 +236,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(0 <= cfg.train.warmup_ratio < 1, "train.warmup_ratio", "must be in [0, 1)")
     _check(cfg.train.zero_stage in (0, 1, 2, 3), "train.zero_stage", "must be 0, 1, 2 or 3")
     _check(cfg.train.precision in ("fp32", "bf16"), "train.precision", "must be fp32 or bf16")
-    _check(cfg.train.global_batch_samples % cfg.train.micro_batch_samples == 0,
-           "train.global_batch_samples", "must be a multiple of train.micro_batch_samples")
+    per_step = cfg.train.micro_batch_samples * cfg.train.num_workers
+    _check(cfg.train.global_batch_samples % per_step == 0, "train.global_batch_samples",
+           f"must be a multiple of micro_batch_samples x num_workers = {per_step} "
+           f"(got {cfg.train.global_batch_samples})")
     _check(len(cfg.train.drafters) > 0, "train.drafters", "must name at least one drafter")
     for name, spec in cfg.train.drafters.items():
         key = f"train.drafters.{name}"

@@ -29,6 +29,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "conf" / "tiny.yaml"
 STAGES: dict[str, str] = {
     "generate": "pipeline.generate:run_generate",
     "cache": "pipeline.cache:run_cache",
+    "train": "pipeline.train:run_train",
 }
 
 _HYDRA_DEFAULTS = ("hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout")

@@ -1,0 +1,199 @@
+"""The drafter model: parameter names, train/inference agreement, no leak, gradients, draft vocab."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from training.blocks import build_blocks, collate_samples
+from training.draft_vocab import build_d2t, count_supervised_tokens, draft_to_target_ids
+from training.drafter import Drafter, DrafterConfig
+from training.losses import LossConfig
+
+LAYER_IDS = (0, 2)
+MASK = 511
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_qwen3):
+    """Two cache samples (T = 40, 30) computed with the tiny target, per the cache contract."""
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for T, sup_from in ((40, 6), (30, 12)):
+        ids = torch.randint(0, 500, (T,), generator=g)
+        with torch.no_grad():
+            hs = tiny_qwen3(ids[None], output_hidden_states=True).hidden_states
+        lm = torch.zeros(T, dtype=torch.uint8)
+        lm[sup_from:] = 1
+        out.append(dict(input_ids=ids.int(), loss_mask=lm,
+                        features=torch.cat([hs[i + 1][0] for i in LAYER_IDS], -1).bfloat16(),
+                        last_hidden=hs[-1][0][:-1][lm[1:].bool()].bfloat16()))
+    return out
+
+
+def _drafter(target, d2t=None, **kw):
+    kw = dict(dict(target_layer_ids=LAYER_IDS, mask_token_id=MASK, num_layers=2, block_size=4,
+                   markov_rank=8, num_anchors=16), **kw)
+    torch.manual_seed(1)
+    d = Drafter(DrafterConfig(**kw), target.config, target.model.embed_tokens.weight, target.lm_head.weight,
+                d2t=d2t)
+    if d.markov_head is not None:  # a non-zero Markov bias, so the head matters in every test
+        torch.nn.init.normal_(d.markov_head.markov_w2.weight, std=0.5)
+    return d
+
+
+def _blocks(d, batch, anchors):
+    anchors = torch.tensor(anchors)
+    return build_blocks(batch.input_ids, batch.loss_mask, anchors, torch.ones_like(anchors, dtype=torch.bool),
+                        block_size=d.config.block_size, sample_from_anchor=d.config.sample_from_anchor,
+                        mask_token_id=MASK)
+
+
+def test_parameter_names_and_shapes_map_to_vllm(tiny_qwen3):
+    d = _drafter(tiny_qwen3, num_layers=1)
+    shapes = {k: tuple(v.shape) for k, v in d.state_dict().items()}
+    layer = {f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"} | {
+        "layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight",
+        "layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight"} | {
+        f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    assert set(shapes) == layer | {"fc.weight", "hidden_norm.weight", "norm.weight", "embed_tokens.weight",
+                                   "lm_head.weight", "markov_head.markov_w1.weight",
+                                   "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+                                   "confidence_head.proj.bias"}
+    assert shapes["fc.weight"] == (64, 128) and shapes["layers.0.self_attn.k_proj.weight"] == (32, 64)
+    assert shapes["markov_head.markov_w1.weight"] == (512, 8)
+    assert shapes["markov_head.markov_w2.weight"] == (512, 8)
+    assert shapes["confidence_head.proj.weight"] == (1, 72)
+    trainable = d.trainable_parameters()
+    assert all(p.requires_grad for p in trainable)
+    assert sum(p.numel() for p in trainable) == sum(p.numel() for p in d.parameters()) - 2 * 512 * 64
+    assert d.embed_tokens.weight.data_ptr() == tiny_qwen3.model.embed_tokens.weight.data_ptr()
+    assert not d.embed_tokens.weight.requires_grad and not d.lm_head.weight.requires_grad
+
+
+@pytest.mark.parametrize("sample_from_anchor", [True, False])
+def test_training_forward_equals_inference_draft(tiny_qwen3, samples, sample_from_anchor):
+    d = _drafter(tiny_qwen3, markov_rank=0, sample_from_anchor=sample_from_anchor).eval()
+    batch = collate_samples(samples[:1])
+    a = 20
+    slots = d(batch, _blocks(d, batch, [[a, a + 2, 9]]))
+    rows = slots.block == 0
+    assert slots.slot[rows].tolist() == [0, 1, 2, 3]
+    p_train = torch.softmax(slots.hidden[rows] @ d.lm_head.weight.t(), -1)
+    feats = batch.features[0]
+    ctx = d.encode_context(feats[7:a], d.encode_context(feats[:7]))
+    whole = d.encode_context(feats[:a])
+    assert ctx.length == a and torch.allclose(ctx.keys[1], whole.keys[1], atol=1e-6)
+    r = d.draft_block(ctx, batch.input_ids[0, a], temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert r.tokens.shape == (4,) and r.q.shape == (4, 512)
+    assert torch.allclose(r.q, p_train, atol=1e-5)
+    assert torch.allclose(r.confidence_logits, slots.confidence_logits[rows], atol=1e-5)
+
+
+def test_block_sees_nothing_at_or_after_its_anchor_nor_other_blocks(tiny_qwen3, samples):
+    d = _drafter(tiny_qwen3, head_type="rnn")
+    batch = collate_samples(samples[:1])
+    a0 = 15
+    h = d(batch, _blocks(d, batch, [[a0, a0 + 1]])).hidden
+    batch.features[0, a0:] = torch.randn_like(batch.features[0, a0:])
+    batch.input_ids[0, a0 + 1] = 3  # the anchor token of the overlapping block 1
+    h2 = d(batch, _blocks(d, batch, [[a0, a0 + 1]])).hidden
+    assert torch.allclose(h[:4], h2[:4], atol=1e-6)  # block 0 (4 valid slots) is untouched
+    assert not torch.allclose(h[4:], h2[4:], atol=1e-3)  # block 1 did change
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_equals_dense_sdpa(tiny_qwen3, samples):
+    batch = collate_samples(samples)
+    sdpa, flex = _drafter(tiny_qwen3, attention="sdpa"), _drafter(tiny_qwen3, attention="flex")
+    blocks = sdpa.make_blocks(batch, torch.Generator().manual_seed(0))
+    with torch.no_grad():  # flex attention has no backward on CPU (eager, unfused)
+        assert torch.allclose(sdpa(batch, blocks).hidden, flex(batch, blocks).hidden, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_flex_training_step_equals_sdpa_on_gpu(tiny_qwen3, samples):
+    batch = collate_samples(samples)
+    batch = type(batch)(**{k: v.cuda() for k, v in vars(batch).items()})
+    grads = []
+    for attention in ("sdpa", "flex"):
+        d = _drafter(tiny_qwen3, attention=attention).cuda()
+        blocks = d.make_blocks(batch, torch.Generator("cuda").manual_seed(0))
+        out = d.loss(d(batch, blocks), LossConfig())
+        out.loss.backward()
+        grads.append((out.loss.detach(), d.layers[0].self_attn.q_proj.weight.grad))
+    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-4)
+    assert torch.allclose(grads[0][1], grads[1][1], atol=1e-4)
+
+
+@pytest.mark.parametrize("to_backbone", [False, True])
+def test_confidence_gradient_into_backbone_is_a_config_value(tiny_qwen3, samples, to_backbone):
+    d = _drafter(tiny_qwen3, confidence_grad_to_backbone=to_backbone)
+    batch = collate_samples(samples)
+    slots = d(batch, d.make_blocks(batch, torch.Generator().manual_seed(0)))
+    d.loss(slots, LossConfig(ce_weight=0.0, tv_weight=0.0, confidence_weight=1.0)).loss.backward()
+    assert torch.count_nonzero(d.confidence_head.proj.weight.grad) == 72
+    for name, p in d.named_parameters():
+        if p.requires_grad and not name.startswith("confidence_head"):
+            reached = p.grad is not None and bool(torch.count_nonzero(p.grad))
+            if name.startswith(("layers.", "fc.", "markov_head.markov_w1")):
+                assert reached == to_backbone, name
+            else:  # norms and W2 only reach the loss through p_d, which c* is detached from
+                assert not reached or to_backbone, name
+
+
+def test_loss_with_all_supervision_masked_is_finite_with_zero_gradient(tiny_qwen3, samples):
+    d = _drafter(tiny_qwen3, head_type="gated")
+    s = dict(samples[0], loss_mask=torch.zeros(40, dtype=torch.uint8), last_hidden=torch.zeros(0, 64))
+    batch = collate_samples([s])
+    slots = d(batch, d.make_blocks(batch))
+    assert slots.hidden.shape == (0, 64)
+    out = d.loss(slots, LossConfig())
+    assert torch.isfinite(out.loss) and out.loss.item() == 0.0
+    out.loss.backward()
+    grads = [p.grad for p in d.trainable_parameters() if p.grad is not None]
+    assert grads and all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+def test_greedy_draft_is_one_hot_and_reproducible(tiny_qwen3, samples):
+    d = _drafter(tiny_qwen3).eval()
+    ctx = d.encode_context(samples[0]["features"][:12])
+    r = d.draft_block(ctx, 7, temperature=0.0)
+    assert torch.equal(r.q.sum(-1), torch.ones(4)) and torch.equal(r.q.argmax(-1), r.tokens)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert torch.equal(d.draft_block(ctx, 7, 0.8, g1).tokens, d.draft_block(ctx, 7, 0.8, g2).tokens)
+
+
+def test_reduced_draft_vocabulary_is_fixed_across_resume(tiny_qwen3, samples):
+    counts = count_supervised_tokens(((s["input_ids"], s["loss_mask"]) for s in samples), 512)
+    d2t = build_d2t(counts, 32)
+    d = _drafter(tiny_qwen3, d2t=d2t, draft_vocab_size=32)
+    ids = draft_to_target_ids(d2t)
+    assert torch.equal(d.lm_head.weight, tiny_qwen3.lm_head.weight[ids])
+    assert torch.equal(d.state_dict()["d2t"], d2t)
+    r = d.draft_block(d.encode_context(samples[0]["features"][:12]), 7, 1.0, torch.Generator().manual_seed(0))
+    outside = torch.ones(512, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.count_nonzero(r.q[:, outside]) == 0 and set(r.tokens.tolist()) <= set(ids.tolist())
+    assert torch.allclose(r.q.sum(-1), torch.ones(4))
+    batch = collate_samples(samples)
+    out = d.loss(d(batch, d.make_blocks(batch)), LossConfig())
+    assert torch.isfinite(out.loss)
+    d.load_state_dict(d.state_dict())  # same d2t: fine
+    other = dict(d.state_dict(), d2t=build_d2t(counts.flip(0), 32))
+    with pytest.raises(ValueError, match="d2t"):
+        d.load_state_dict(other)
+
+
+def test_invalid_configs_are_refused(tiny_qwen3):
+    with pytest.raises(ValueError, match="ascending"):
+        DrafterConfig(target_layer_ids=(2, 0), mask_token_id=MASK)
+    with pytest.raises(ValueError, match="head_type"):
+        DrafterConfig(target_layer_ids=LAYER_IDS, mask_token_id=MASK, head_type="lstm")
+    with pytest.raises(ValueError, match="<= 2"):
+        _drafter(tiny_qwen3, target_layer_ids=(0, 3))
+    with pytest.raises(ValueError, match="mask_token_id"):
+        Drafter(DrafterConfig(target_layer_ids=LAYER_IDS, mask_token_id=512), tiny_qwen3.config,
+                tiny_qwen3.model.embed_tokens.weight, tiny_qwen3.lm_head.weight)
+    with pytest.raises(ValueError, match="d2t"):
+        _drafter(tiny_qwen3, draft_vocab_size=32)

@@ -1,0 +1,117 @@
+"""Training checkpoints on any fsspec URL, committed only when every rank's part is written.
+
+Layout under ``<train_dir>`` (e.g. ``<run_dir>/train/dspark``)::
+
+    checkpoints/step-000100/engine/...        the engine's sharded state (every rank's files)
+    checkpoints/step-000100/parts/rank-0.json each rank's file list with sizes (written by that rank)
+    checkpoints/step-000100/drafter.safetensors  consolidated drafter weights (rank 0)
+    checkpoints/step-000100/COMMITTED.json    trainer state + parts, created last, only if absent
+    latest                                    name of the newest committed checkpoint (moved last)
+
+Nothing under a checkpoint folder without ``COMMITTED.json`` is ever read.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.storage import filesystem, join
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is incomplete or does not fit this run."""
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def upload_dir(local: str | Path, url: str) -> dict[str, int]:
+    """Copy every file under ``local`` to ``url`` (same relative paths); returns {relpath: bytes}."""
+    fs, root = filesystem(url)
+    files = {}
+    for p in sorted(Path(local).rglob("*")):
+        if p.is_file():
+            rel = p.relative_to(local).as_posix()
+            fs.makedirs(f"{root}/{rel}".rsplit("/", 1)[0], exist_ok=True)
+            fs.put_file(str(p), f"{root}/{rel}")
+            files[rel] = p.stat().st_size
+    return files
+
+
+def download_files(url: str, files: dict[str, int], local: str | Path) -> None:
+    """Copy the listed files under ``url`` into ``local``."""
+    fs, root = filesystem(url)
+    for rel in files:
+        dest = Path(local) / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(f"{root}/{rel}", str(dest))
+
+
+def write_part(ckpt_url: str, rank: int, files: dict[str, int]) -> None:
+    """Record that ``rank`` wrote ``files`` (relative to ``<ckpt>/engine``)."""
+    fs, path = filesystem(join(ckpt_url, "parts", f"rank-{rank}.json"))
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, json.dumps({"rank": rank, "files": files}).encode())
+
+
+def read_parts(ckpt_url: str, world: int) -> dict[int, dict[str, int]]:
+    """Every rank's part record, checked against the objects present.
+
+    Raises:
+        CheckpointError: a rank's part record or one of its files is missing or of the wrong size.
+    """
+    fs, _ = filesystem(ckpt_url)
+    parts = {}
+    for rank in range(world):
+        _, p = filesystem(join(ckpt_url, "parts", f"rank-{rank}.json"))
+        fs.invalidate_cache(p.rsplit("/", 1)[0])
+        if not fs.exists(p):
+            raise CheckpointError(f"{ckpt_url}: rank {rank}'s part is missing; the checkpoint is incomplete: "
+                                  "resume from an earlier one (edit 'latest') or start over")
+        files = json.loads(fs.cat_file(p))["files"]
+        for rel, size in files.items():
+            _, fp = filesystem(join(ckpt_url, "engine", rel))
+            if not fs.exists(fp) or fs.size(fp) != size:
+                raise CheckpointError(f"{ckpt_url}: rank {rank}'s file engine/{rel} is missing or truncated; "
+                                      "resume from an earlier checkpoint or start over")
+        parts[rank] = files
+    return parts
+
+
+def commit(train_url: str, step: int, state: dict[str, Any]) -> str:
+    """Commit checkpoint ``step`` (after every rank wrote its part) and move ``latest`` to it.
+
+    Raises:
+        CheckpointError: a part is missing (see :func:`read_parts`), or it is already committed.
+    """
+    ckpt = join(train_url, "checkpoints", step_name(step))
+    read_parts(ckpt, state["world_size"])
+    fs, path = filesystem(join(ckpt, "COMMITTED.json"))
+    try:
+        with fs.open(path, "xb") as f:
+            f.write(json.dumps(state, indent=1, sort_keys=True).encode())
+    except FileExistsError:
+        raise CheckpointError(f"{ckpt} is already committed") from None
+    _, latest = filesystem(join(train_url, "latest"))
+    fs.pipe_file(latest, step_name(step).encode())
+    return ckpt
+
+
+def latest_checkpoint(train_url: str) -> tuple[str, dict[str, Any]] | None:
+    """``(checkpoint url, trainer state)`` of the newest committed checkpoint, or None.
+
+    Raises:
+        CheckpointError: ``latest`` names a checkpoint without its commit record.
+    """
+    fs, latest = filesystem(join(train_url, "latest"))
+    fs.invalidate_cache(latest.rsplit("/", 1)[0])
+    if not fs.exists(latest):
+        return None
+    ckpt = join(train_url, "checkpoints", fs.cat_file(latest).decode().strip())
+    _, rec = filesystem(join(ckpt, "COMMITTED.json"))
+    if not fs.exists(rec):
+        raise CheckpointError(f"{train_url}/latest names {ckpt}, which is not committed; point 'latest' at a "
+                              "committed checkpoint or delete it to start over")
+    return ckpt, json.loads(fs.cat_file(rec))

@@ -1,0 +1,388 @@
+"""The DSpark drafter: DFlash block-diffusion backbone + sequential head + confidence head.
+
+Backbone (DFlash, arXiv:2602.06036, method: context features and KV injection; DESIGN.md sec. 2):
+the target's hidden states at ``target_layer_ids`` are fused once,
+``ctx = RMSNorm_hidden(fc([h_l1 ; ... ; h_lL]))`` (``fc`` without bias). Each of the ``n`` Qwen3
+decoder layers takes queries from the block slots only; its keys/values are the layer's own
+``k_proj``/``v_proj`` over ``[ctx ; block]`` (KV injection), with qk-norm and RoPE at context
+positions ``0 .. L-1`` and block positions ``anchor + 0 ..``. A final ``norm`` and the frozen target
+``lm_head`` give the base logits; the input embedding is the frozen target ``embed_tokens``.
+Heads and formulas: :mod:`training.heads`; loss: :mod:`training.losses`; blocks and masks:
+:mod:`training.blocks`. Parameter names follow vLLM's ``Qwen3DSparkModel`` checkpoint layout.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (Qwen3DecoderLayer, Qwen3RMSNorm,
+                                                      Qwen3RotaryEmbedding, rotate_half)
+
+from training.blocks import (Blocks, DraftBatch, build_blocks, dense_block_mask, flex_block_mask,
+                             sample_anchors)
+from training.draft_vocab import draft_to_target_ids
+from training.heads import HEAD_TYPES, ConfidenceHead, build_sequential_head, sample_sequential
+from training.losses import LossConfig, LossOutput, SupervisedSlots, drafter_loss
+
+__all__ = ["DrafterConfig", "DraftContext", "DraftResult", "Drafter"]
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+
+
+@dataclass
+class DrafterConfig:
+    """Drafter architecture and training-time block settings (reference recipe in DESIGN.md sec. 2).
+
+    Attributes:
+        target_layer_ids: ascending target layers whose outputs are the context features
+            (-1 = embedding output; never the final layer).
+        mask_token_id: token id of the mask slots (Qwen3 recipe: 151669).
+        num_layers: draft decoder layers n. block_size: gamma (drafted tokens per block).
+        sample_from_anchor: block layout, True = DSpark ``[anchor, mask x (gamma-1)]``, False =
+            DFlash ``[anchor, mask x gamma]`` (see :mod:`training.blocks`). Never inferred.
+        markov_rank: r of the sequential head; 0 = no head (DFlash).
+        head_type: ``"markov"`` (vanilla), ``"gated"`` or ``"rnn"``.
+        confidence_head: add the confidence head.
+        confidence_grad_to_backbone: let the confidence loss push gradient into the backbone and the
+            Markov embedding (default False: only the confidence head learns from it).
+        num_anchors: anchors sampled per sample in training. draft_vocab_size: reduced output
+            vocabulary (EAGLE-3 style) or None for the full target vocabulary.
+        attention: ``"sdpa"`` (dense mask), ``"flex"`` (BlockMask; compiled on CUDA; on CPU eager and
+            forward-only, as torch has no CPU flex backward) or ``"auto"`` (flex on CUDA, else sdpa).
+    """
+
+    target_layer_ids: Sequence[int]
+    mask_token_id: int
+    num_layers: int = 5
+    block_size: int = 7
+    sample_from_anchor: bool = True
+    markov_rank: int = 256
+    head_type: str = "markov"
+    confidence_head: bool = True
+    confidence_grad_to_backbone: bool = False
+    num_anchors: int = 512
+    draft_vocab_size: int | None = None
+    attention: str = "auto"
+
+    def __post_init__(self):
+        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
+        ids = self.target_layer_ids
+        if not ids or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < -1:
+            raise ValueError(f"target_layer_ids must be non-empty, strictly ascending and >= -1, got {ids}")
+        for name in ("num_layers", "block_size", "num_anchors"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank must be >= 0 (0 = DFlash), got {self.markov_rank}")
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"head_type must be one of {sorted(HEAD_TYPES)}, got {self.head_type!r}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
+
+    @property
+    def slots(self) -> int:
+        """Slots per block S: gamma (DSpark layout) or gamma + 1 (DFlash layout)."""
+        return self.block_size if self.sample_from_anchor else self.block_size + 1
+
+
+@dataclass
+class DraftContext:
+    """Cached context keys/values for inference, one entry per draft layer.
+
+    Attributes:
+        keys, values: per layer [1, n_kv_heads, L, head_dim] (keys after k_norm and RoPE).
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        """Context positions L covered (the next anchor sits at position L)."""
+        return self.keys[0].shape[2]
+
+
+@dataclass
+class DraftResult:
+    """One drafted block.
+
+    Attributes:
+        tokens: [gamma] int64 target ids. q: [gamma, V] float32 exact draft distribution of each slot
+            (after temperature, zero outside a reduced draft vocabulary; one-hot at T = 0).
+        confidence_logits: [gamma] float32 or None (no confidence head); ``c_k = sigmoid``.
+    """
+
+    tokens: torch.Tensor
+    q: torch.Tensor
+    confidence_logits: torch.Tensor | None
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (Su et al. 2021, eq. 34; HF rotate-half layout): x [B, h, L, d], cos/sin [B, L, d]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+@functools.cache
+def _compiled_flex():
+    """Flex attention compiled once per process (fused kernel; shapes become dynamic after a change)."""
+    return torch.compile(flex_attention)
+
+
+def _attend(q, k, v, mask, scale):
+    """Attention of q [B, h, Q, d] over k/v [B, h_kv, K, d] with a dense bool mask, a BlockMask or None."""
+    if isinstance(mask, BlockMask):
+        fn = _compiled_flex() if q.is_cuda else flex_attention
+        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+class Drafter(nn.Module):
+    """DSpark/DFlash drafter on a Qwen3 target.
+
+    Args:
+        config: :class:`DrafterConfig`.
+        target_config: the target's ``Qwen3Config`` (width, heads, RoPE, eps, vocabulary, depth).
+        embed_weight: [V, H] the target's ``embed_tokens.weight`` (kept frozen, storage shared).
+        lm_head_weight: [V, H] the target's ``lm_head.weight`` (kept frozen).
+        d2t: [V_draft] int64 draft-to-target offsets (:mod:`training.draft_vocab`), required iff
+            ``config.draft_vocab_size`` is set; persisted in the state dict and checked on load.
+    Raises:
+        ValueError: a target layer id out of range, a mask token outside the vocabulary, weight
+            shapes that do not match the target config, or a missing / mis-sized ``d2t``.
+    """
+
+    def __init__(self, config: DrafterConfig, target_config: Qwen3Config, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor, d2t: torch.Tensor | None = None):
+        super().__init__()
+        V, H = target_config.vocab_size, target_config.hidden_size
+        n_target = target_config.num_hidden_layers
+        if config.target_layer_ids[-1] > n_target - 2:
+            raise ValueError(f"target_layer_ids {config.target_layer_ids} must be <= {n_target - 2}: the "
+                             f"last of the target's {n_target} layers is returned after the final norm")
+        if not 0 <= config.mask_token_id < V:
+            raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target vocabulary [0, {V})")
+        for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
+            if tuple(w.shape) != (V, H):
+                raise ValueError(f"{name} is {tuple(w.shape)}, the target config says [{V}, {H}]")
+        self.config = config
+        layer_cfg = target_config.to_dict()
+        layer_cfg.pop("layer_types", None)
+        layer_cfg.update(num_hidden_layers=config.num_layers, use_sliding_window=False)
+        self.layer_config = Qwen3Config(**layer_cfg)
+        self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(H, eps=target_config.rms_norm_eps)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(self.layer_config, i) for i in range(config.num_layers))
+        self.norm = Qwen3RMSNorm(H, eps=target_config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(self.layer_config)
+        self.embed_tokens = nn.Embedding.from_pretrained(embed_weight.detach(), freeze=True)
+        if config.draft_vocab_size is not None:
+            if d2t is None or tuple(d2t.shape) != (config.draft_vocab_size,):
+                raise ValueError(f"draft_vocab_size={config.draft_vocab_size} needs d2t of that length "
+                                 "(training.draft_vocab.build_d2t, or the one stored in the checkpoint)")
+            self.register_buffer("d2t", d2t.detach().long().clone())
+            draft_ids = draft_to_target_ids(self.d2t)
+            self.register_buffer("draft_ids", draft_ids.clone(), persistent=False)
+            self.target_lm_head = nn.Parameter(lm_head_weight.detach(), requires_grad=False)
+            lm_head_weight = lm_head_weight.detach()[draft_ids]
+        elif d2t is not None:
+            raise ValueError("d2t given but config.draft_vocab_size is None: set draft_vocab_size = len(d2t)")
+        self.lm_head = nn.Linear(H, lm_head_weight.shape[0], bias=False, device="meta")
+        self.lm_head.weight = nn.Parameter(lm_head_weight.detach(), requires_grad=False)
+        Vd = lm_head_weight.shape[0]
+        self.markov_head = build_sequential_head(config.head_type, vocab_size=V, draft_vocab_size=Vd,
+                                                 rank=config.markov_rank, hidden_size=H)
+        self.confidence_head = ConfidenceHead(H + config.markov_rank) if config.confidence_head else None
+        self._init_trainable(target_config.initializer_range)
+        self.register_load_state_dict_pre_hook(self._check_d2t)
+
+    def _init_trainable(self, std: float) -> None:
+        """Linear/embedding weights ~ N(0, std), biases 0, norms 1 (Qwen3 init); ``markov_w2 = 0`` so
+        the drafter starts as plain DFlash (zero Markov bias) and the head grows from there."""
+        for mod in self.modules():
+            if mod is self.embed_tokens or mod is self.lm_head:
+                continue
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(mod.weight, std=std)
+                if getattr(mod, "bias", None) is not None:
+                    nn.init.zeros_(mod.bias)
+        if self.markov_head is not None:
+            nn.init.zeros_(self.markov_head.markov_w2.weight)
+
+    def _check_d2t(self, module, state_dict, prefix, *args) -> None:
+        key = prefix + "d2t"
+        mine = getattr(self, "d2t", None)
+        theirs = state_dict.get(key)
+        if mine is not None and theirs is not None and not torch.equal(mine.cpu(), theirs.cpu().long()):
+            raise ValueError("the checkpoint's d2t differs from this drafter's: the draft vocabulary must stay "
+                             "fixed across resume; build the Drafter with d2t=state_dict['d2t']")
+
+    @property
+    def draft_to_target(self) -> torch.Tensor | None:
+        """[V_draft] int64 target id of each draft id, or None for the full vocabulary."""
+        return getattr(self, "draft_ids", None)
+
+    @property
+    def target_lm_head_weight(self) -> torch.Tensor:
+        """[V, H] the target's full ``lm_head`` (used for ``p_t``)."""
+        return self.target_lm_head if self.draft_to_target is not None else self.lm_head.weight
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Parameters for the optimizer: everything but the frozen ``embed_tokens`` / ``lm_head``."""
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # -- backbone -------------------------------------------------------------------------------
+    def _fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """``ctx = hidden_norm(fc(features))``: [B, L, n_ids*H] -> [B, L, H] (DFlash paper, feature fusion)."""
+        if features.shape[-1] != self.fc.in_features:
+            raise ValueError(f"features have width {features.shape[-1]}, expected {self.fc.in_features} "
+                             f"= {len(self.config.target_layer_ids)} target layers x hidden size")
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    @staticmethod
+    def _context_kv(layer, ctx, cos, sin):
+        """KV injection: the layer's own k/v projections of ctx [B, L, H] -> k, v [B, h_kv, L, d]."""
+        attn = layer.self_attn
+        B, L, _ = ctx.shape
+        k = attn.k_norm(attn.k_proj(ctx).view(B, L, -1, attn.head_dim)).transpose(1, 2)
+        v = attn.v_proj(ctx).view(B, L, -1, attn.head_dim).transpose(1, 2)
+        return _rope(k, cos, sin), v
+
+    @staticmethod
+    def _block_layer(layer, x, ctx_k, ctx_v, cos, sin, mask):
+        """One Qwen3 decoder layer over block slots x [B, Q, H], keys/values ``[ctx ; block]``."""
+        attn = layer.self_attn
+        B, Q, _ = x.shape
+        h = layer.input_layernorm(x)
+        q = attn.q_norm(attn.q_proj(h).view(B, Q, -1, attn.head_dim)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(h).view(B, Q, -1, attn.head_dim)).transpose(1, 2)
+        v = attn.v_proj(h).view(B, Q, -1, attn.head_dim).transpose(1, 2)
+        o = _attend(_rope(q, cos, sin), torch.cat([ctx_k, _rope(k, cos, sin)], 2),
+                    torch.cat([ctx_v, v], 2), mask, attn.scaling)
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids).to(self.fc.weight.dtype)
+
+    def _confidence(self, h: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor | None:
+        """Confidence logits [..., gamma] on ``[h_k ; W1[x_{k-1}]]`` (DSpark sec. 3.2.1)."""
+        if self.confidence_head is None:
+            return None
+        e = self.markov_head.embed(prev_ids) if self.markov_head is not None else None
+        if not self.config.confidence_grad_to_backbone:
+            h, e = h.detach(), (None if e is None else e.detach())
+        return self.confidence_head(h, e)
+
+    # -- training -------------------------------------------------------------------------------
+    def make_blocks(self, batch: DraftBatch, generator: torch.Generator | None = None) -> Blocks:
+        """Sample anchors (``config.num_anchors``) and lay out blocks for ``batch`` (:mod:`training.blocks`)."""
+        anchors, keep = sample_anchors(batch.loss_mask, self.config.num_anchors, generator)
+        return build_blocks(batch.input_ids, batch.loss_mask, anchors, keep,
+                            block_size=self.config.block_size,
+                            sample_from_anchor=self.config.sample_from_anchor,
+                            mask_token_id=self.config.mask_token_id)
+
+    def forward(self, batch: DraftBatch, blocks: Blocks) -> SupervisedSlots:
+        """Training forward over all blocks of a batch (teacher forcing for the sequential head).
+
+        Args:
+            batch: padded cache samples [B, T]. blocks: from :meth:`make_blocks` or ``build_blocks``
+                with this config's layout and block size.
+        Returns:
+            the M supervised slots (:class:`training.losses.SupervisedSlots`).
+        Raises:
+            ValueError: blocks built with another layout / block size, or features of the wrong width.
+        """
+        cfg = self.config
+        B, T = batch.input_ids.shape
+        N, S, gamma = blocks.anchors.shape[1], blocks.slots, cfg.block_size
+        if blocks.sample_from_anchor != cfg.sample_from_anchor or blocks.labels.shape[-1] != gamma:
+            raise ValueError("blocks were built with another layout or block size than this drafter's config")
+        ctx = self._fuse(batch.features)
+        cos_c, sin_c = self.rotary_emb(ctx, torch.arange(T, device=ctx.device).expand(B, T))
+        x = self._embed(blocks.input_ids.view(B, N * S))
+        cos_q, sin_q = self.rotary_emb(x, blocks.positions.view(B, N * S))
+        use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and x.is_cuda)
+        mask = (flex_block_mask if use_flex else dense_block_mask)(blocks.anchors, T, S)
+        for layer in self.layers:
+            ck, cv = self._context_kv(layer, ctx, cos_c, sin_c)
+            x = self._block_layer(layer, x, ck, cv, cos_q, sin_q, mask)
+        h = self.norm(x).view(B, N, S, -1)[:, :, S - gamma:]
+        u = None if self.markov_head is None else self.markov_head.features(blocks.prev_ids, h)
+        conf = self._confidence(h, blocks.prev_ids)
+        b, n, k = blocks.valid.nonzero(as_tuple=True)
+        return SupervisedSlots(
+            hidden=h[b, n, k], bias_features=None if u is None else u[b, n, k],
+            confidence_logits=None if conf is None else conf[b, n, k], labels=blocks.labels[b, n, k],
+            slot=k, block=b * N + n, target_hidden=batch.last_hidden[blocks.target_rows[b, n, k]],
+            num_blocks=B * N, block_size=gamma)
+
+    def loss(self, slots: SupervisedSlots, config: LossConfig, group=None) -> LossOutput:
+        """:func:`training.losses.drafter_loss` with this drafter's frozen heads and Markov ``W2``."""
+        w2 = None if self.markov_head is None else self.markov_head.markov_w2.weight
+        return drafter_loss(slots, lm_head=self.lm_head.weight, target_lm_head=self.target_lm_head_weight,
+                            markov_w2=w2, draft_to_target=self.draft_to_target, config=config, group=group)
+
+    # -- inference ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_context(self, features: torch.Tensor, context: DraftContext | None = None) -> DraftContext:
+        """Append target features of the next positions to an inference context (or start one).
+
+        Args:
+            features: [n, n_ids*H] target features of positions ``L .. L+n-1`` (L = current length).
+            context: the context so far, or None to start at position 0.
+        Returns:
+            a new :class:`DraftContext` of length L + n.
+        """
+        start = 0 if context is None else context.length
+        ctx = self._fuse(features.unsqueeze(0))
+        pos = torch.arange(start, start + features.shape[0], device=ctx.device).unsqueeze(0)
+        cos, sin = self.rotary_emb(ctx, pos)
+        keys, values = [], []
+        for i, layer in enumerate(self.layers):
+            k, v = self._context_kv(layer, ctx, cos, sin)
+            if context is not None:
+                k, v = torch.cat([context.keys[i], k], 2), torch.cat([context.values[i], v], 2)
+            keys.append(k)
+            values.append(v)
+        return DraftContext(keys, values)
+
+    @torch.no_grad()
+    def draft_block(self, context: DraftContext, anchor_token: int | torch.Tensor, temperature: float = 0.0,
+                    generator: torch.Generator | None = None) -> DraftResult:
+        """Draft one block after ``context`` with the anchor token at position ``context.length``.
+
+        One parallel backbone pass over ``[anchor, mask, ...]``, then the sequential head samples slot
+        by slot (DSpark sec. 3.1): ``q_k = softmax((U_k + B_k(x_<k)) / T)``, ``x_k ~ q_k``.
+
+        Args:
+            context: cached context (positions ``0 .. L-1``). anchor_token: target id at position L.
+            temperature: T >= 0 (0 = greedy, one-hot q). generator: on the model's device.
+        Returns:
+            :class:`DraftResult` with gamma tokens, q [gamma, V] and confidence logits.
+        """
+        cfg = self.config
+        S, gamma, L = cfg.slots, cfg.block_size, context.length
+        dev = self.fc.weight.device
+        anchor = torch.as_tensor(anchor_token, device=dev).long().view(1)
+        ids = torch.full((1, S), cfg.mask_token_id, dtype=torch.long, device=dev)
+        ids[0, 0] = anchor
+        x = self._embed(ids)
+        cos, sin = self.rotary_emb(x, torch.arange(L, L + S, device=dev).unsqueeze(0))
+        for i, layer in enumerate(self.layers):
+            x = self._block_layer(layer, x, context.keys[i], context.values[i], cos, sin, None)
+        h = self.norm(x)[:, S - gamma:]
+        base = h.to(self.lm_head.weight.dtype) @ self.lm_head.weight.t()
+        tokens, q, prev = sample_sequential(base, h, anchor, self.markov_head, temperature, generator,
+                                            self.draft_to_target)
+        conf = self._confidence(h, prev)
+        if self.draft_to_target is not None:
+            full = q.new_zeros(1, gamma, self.embed_tokens.num_embeddings)
+            q = full.index_copy_(2, self.draft_to_target, q)
+        return DraftResult(tokens[0], q[0], None if conf is None else conf[0])

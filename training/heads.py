@@ -1,0 +1,217 @@
+"""Sequential heads and the confidence head of the DSpark drafter.
+
+DSpark paper sec. 3.1 (semi-autoregressive generation): the parallel backbone gives base logits
+``U_k`` for every predicting slot k of a block; a light sequential head adds a prefix-dependent bias
+``B_k`` slot by slot, and the draft distribution is an explicit softmax
+
+    q_k(v | x_0, x_<k) = softmax(U_k + B_k)(v)          (then divided by the temperature)
+
+so rejection sampling against the target stays lossless. Every head here writes the bias as
+``B_k = W2 u_k`` with a rank-r feature ``u_k`` (``markov_w2`` is ``nn.Linear(r, V_draft)``):
+
+- vanilla Markov: ``u_k = W1[x_{k-1}]``, i.e. ``B = W2 W1[x_{k-1}]`` (DSpark sec. 3.1, transition bias);
+- gated Markov: ``u_k = sigmoid(W_g [h_k ; W1[x_{k-1}]] + b_g) * W1[x_{k-1}]`` (DSpark sec. 3.1 variant);
+- RNN: a state ``s_k`` over the block (DSpark sec. 3.1, RNN head; ``s_0 = 0``):
+  ``z_k = [s_{k-1} ; W1[x_{k-1}] ; h_k]``, ``g_k = sigmoid(W_g z_k + b_g)``,
+  ``s_k = g_k * s_{k-1} + (1 - g_k) * tanh(W_c z_k + b_c)``, ``u_k = tanh(W_o z_k + b_o)``.
+
+``x_{k-1}`` for the first predicting slot is the anchor token; ``W1`` embeds target-vocabulary ids
+(``[V, r]``), ``W2`` maps to the draft vocabulary (``V_draft <= V``), as vLLM's ``DSparkMarkovHead``.
+Training uses teacher forcing (true previous tokens); inference samples slot by slot.
+
+Confidence head (DSpark sec. 3.2.1): ``c_k = sigmoid(w^T [h_k ; W1[x_{k-1}]] + b)`` (``[h_k]`` alone
+without a Markov head); the module returns the logit.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["MarkovHead", "GatedMarkovHead", "RNNHead", "ConfidenceHead", "HEAD_TYPES",
+           "build_sequential_head", "draft_probs", "sample_sequential"]
+
+
+class MarkovHead(nn.Module):
+    """Vanilla Markov head: ``B(x_{k-1}, .) = W2 W1[x_{k-1}]`` (DSpark sec. 3.1).
+
+    Args:
+        vocab_size: target vocabulary V (rows of ``markov_w1``).
+        draft_vocab_size: draft vocabulary V_draft (rows of ``markov_w2.weight``).
+        rank: r >= 1. hidden_size: backbone width H (unused here, used by the subclasses).
+    Parameters (vLLM names): ``markov_w1.weight`` [V, r], ``markov_w2.weight`` [V_draft, r].
+    """
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"markov rank must be >= 1 for a sequential head, got {rank}")
+        self.rank = rank
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+
+    def embed(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """``W1[x]``: [...] int64 target ids -> [..., r]."""
+        return self.markov_w1(prev_ids)
+
+    def step(self, state: torch.Tensor | None, prev_ids: torch.Tensor, hidden: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One slot: ``(u_k [..., r], next state)`` from ``x_{k-1}`` [...] and ``h_k`` [..., H]."""
+        return self.embed(prev_ids), None
+
+    def features(self, prev_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced ``u`` for whole blocks: prev_ids [..., S], hidden [..., S, H] -> [..., S, r]."""
+        return self.step(None, prev_ids, hidden)[0]
+
+    def bias(self, u: torch.Tensor) -> torch.Tensor:
+        """``B = W2 u``: [..., r] -> [..., V_draft] logits bias."""
+        return self.markov_w2(u)
+
+
+class GatedMarkovHead(MarkovHead):
+    """Gated Markov head: ``u_k = sigmoid(W_g [h_k ; W1[x_{k-1}]] + b_g) * W1[x_{k-1}]`` (DSpark sec. 3.1).
+
+    Extra parameters: ``gate_proj`` ``nn.Linear(H + r, r)``.
+    """
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
+        super().__init__(vocab_size, draft_vocab_size, rank, hidden_size)
+        self.gate_proj = nn.Linear(hidden_size + rank, rank)
+
+    def step(self, state, prev_ids, hidden):
+        """``u_k = g_k * W1[x_{k-1}]``, ``g_k = sigmoid(W_g [h_k ; W1[x_{k-1}]] + b_g)``; no state."""
+        e = self.embed(prev_ids)
+        gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, e.to(hidden.dtype)], dim=-1)))
+        return gate.to(e.dtype) * e, None
+
+
+class RNNHead(MarkovHead):
+    """RNN head with a state ``s_k`` carried over the block (DSpark sec. 3.1; equations in the module doc).
+
+    Extra parameters: ``rnn_proj`` ``nn.Linear(2r + H, 3r)`` producing ``[gate ; candidate ; output]``.
+    """
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
+        super().__init__(vocab_size, draft_vocab_size, rank, hidden_size)
+        self.rnn_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+
+    def step(self, state, prev_ids, hidden):
+        """``(u_k, s_k)`` from ``s_{k-1}`` [..., r] (None = zeros), ``x_{k-1}`` [...] and ``h_k`` [..., H]."""
+        e = self.embed(prev_ids).to(hidden.dtype)
+        if state is None:
+            state = hidden.new_zeros(*hidden.shape[:-1], self.rank)
+        g, c, o = self.rnn_proj(torch.cat([state, e, hidden], dim=-1)).chunk(3, dim=-1)
+        g = torch.sigmoid(g)
+        return torch.tanh(o), g * state + (1 - g) * torch.tanh(c)
+
+    def features(self, prev_ids, hidden):
+        """Teacher-forced ``u`` [..., S, r], unrolling the state over the S slots from ``s_0 = 0``."""
+        state, out = None, []
+        for k in range(prev_ids.shape[-1]):
+            u, state = self.step(state, prev_ids[..., k], hidden[..., k, :])
+            out.append(u)
+        return torch.stack(out, dim=-2)
+
+
+class ConfidenceHead(nn.Module):
+    """Confidence head: one linear layer, logit of ``c_k`` (DSpark sec. 3.2.1).
+
+    Args:
+        input_dim: H + r with a Markov head (input ``[h_k ; W1[x_{k-1}]]``), H without.
+    Parameters (vLLM names): ``proj.weight`` [1, input_dim], ``proj.bias`` [1].
+    """
+
+    def __init__(self, input_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1)
+
+    def forward(self, hidden: torch.Tensor, prev_embed: torch.Tensor | None) -> torch.Tensor:
+        """hidden [..., H], prev_embed [..., r] or None -> confidence logits [...] (float32)."""
+        x = hidden if prev_embed is None else torch.cat([hidden, prev_embed.to(hidden.dtype)], dim=-1)
+        return self.proj(x).squeeze(-1).float()
+
+
+HEAD_TYPES = {"markov": MarkovHead, "gated": GatedMarkovHead, "rnn": RNNHead}
+
+
+def build_sequential_head(head_type: str, *, vocab_size: int, draft_vocab_size: int, rank: int,
+                          hidden_size: int) -> MarkovHead | None:
+    """The sequential head for a config; ``rank == 0`` means none (plain DFlash).
+
+    Raises:
+        ValueError: unknown ``head_type`` (choose from ``HEAD_TYPES``) or ``rank < 0``.
+    """
+    if rank < 0:
+        raise ValueError(f"markov_rank must be >= 0 (0 = DFlash, no sequential head), got {rank}")
+    if head_type not in HEAD_TYPES:
+        raise ValueError(f"unknown head_type {head_type!r}; choose one of {sorted(HEAD_TYPES)}")
+    if rank == 0:
+        return None
+    return HEAD_TYPES[head_type](vocab_size, draft_vocab_size, rank, hidden_size)
+
+
+def draft_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Draft distribution ``softmax(logits / T)``; ``T == 0`` gives the one-hot of the argmax.
+
+    Args:
+        logits: [..., V] float. temperature: T >= 0 (unitless).
+    Returns:
+        [..., V] float32 probabilities on ``logits``' device.
+    Raises:
+        ValueError: T negative or not finite.
+    """
+    if not (0 <= temperature < float("inf")):
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    if temperature == 0:
+        hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        return hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def sample_sequential(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor,
+                      head: MarkovHead | None, temperature: float, generator: torch.Generator | None,
+                      draft_to_target: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft one block slot by slot and return the exact per-slot draft distributions.
+
+    For slot k: ``q_k = softmax((U_k + W2 u_k(x_<k)) / T)`` (DSpark sec. 3.1) and ``x_k ~ q_k``, then
+    ``x_k`` feeds slot k+1. Without a head the slots are independent (DFlash): ``q_k = softmax(U_k/T)``.
+    Sampling uses the Gumbel-max trick (Gumbel 1954; Maddison et al. 2014): ``x_k = argmax(l_k / T
+    - log E_k)`` with ``E_k ~ Exp(1)`` i.i.d. is an exact draw from ``softmax(l_k / T)``; the noise is
+    drawn for the whole block at once, so each sequential step is a few kernels (embedding, bias
+    matmul, add, argmax), and ``q`` is one batched softmax after the loop. ``T = 0`` is the argmax.
+
+    Args:
+        base_logits: [B, S, V_draft] backbone logits of the predicting slots.
+        hidden: [B, S, H] backbone output (after the final norm) of the same slots.
+        anchor_ids: [B] int64 anchor tokens (target ids), the ``x_{k-1}`` of slot 0.
+        head: a sequential head or None. temperature: T >= 0. generator: on the logits' device.
+        draft_to_target: [V_draft] int64 target id of each draft id, or None (same vocabulary).
+    Returns:
+        tokens [B, S] int64 target ids, q [B, S, V_draft] float32 (rows sum to 1),
+        prev_ids [B, S] int64 the ``x_{k-1}`` each slot was conditioned on.
+    Raises:
+        ValueError: T negative or not finite.
+    """
+    if not (0 <= temperature < float("inf")):
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    scale = 1.0 if temperature == 0 else 1.0 / temperature
+    score = base_logits.float() * scale
+    if temperature > 0:
+        noise = torch.empty_like(score).exponential_(generator=generator)
+        score = score - noise.log()
+    if head is None:
+        idx = score.argmax(-1)
+        tokens = idx if draft_to_target is None else draft_to_target[idx]
+        prev = torch.cat([anchor_ids.long().view(-1, 1), tokens[:, :-1]], dim=1)
+        return tokens, draft_probs(base_logits, temperature), prev
+    x, state, tokens, prevs, biases = anchor_ids.long(), None, [], [], []
+    for k in range(base_logits.shape[1]):
+        u, state = head.step(state, x, hidden[:, k])
+        bias = head.bias(u).float()
+        idx = torch.add(score[:, k], bias, alpha=scale).argmax(-1)
+        prevs.append(x)
+        biases.append(bias)
+        x = idx if draft_to_target is None else draft_to_target[idx]
+        tokens.append(x)
+    q = draft_probs(base_logits.float() + torch.stack(biases, 1), temperature)
+    return torch.stack(tokens, 1), q, torch.stack(prevs, 1)
