@@ -1,0 +1,166 @@
+"""Train stage: Ray Train + DeepSpeed ZeRO on CPU, DDP cross-check, exact resume, refusals."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cache_schema import FingerprintMismatchError
+from pipeline.cache import run_cache
+from pipeline.run import DEFAULT_CONFIG, load_config
+from training.checkpoint import CheckpointError, commit, latest_checkpoint, read_parts, write_part
+from training.data import micro_steps_per_epoch, rank_order, split_shards
+from training.engine import lr_lambda
+
+TRAIN = ["train.num_anchors=8", "train.drafters.dspark.markov_rank=8", "train.drafters.dspark.num_layers=1",
+         "~train.drafters.dflash", "train.micro_batch_samples=4", "train.global_batch_samples=16", "train.lr=3e-3"]
+
+
+def _chats(path: Path, n: int):
+    words = "the of and to in is for return def self if else value list dict none true false data file".split()
+    with path.open("w") as f:
+        for i in range(n):
+            a = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(30 + i % 25))
+            f.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i} " + words[i % 20]},
+                                                            {"role": "assistant", "content": a}]}) + "\n")
+
+
+def _cfg(target, run_dir, data, *extra):
+    return load_config(DEFAULT_CONFIG, [f"target.path={target}", f"run_dir={run_dir}", f"data.train_files=[{data}]",
+                                        "generate.enabled=false", "cache.rows_per_shard=20", "data.min_loss_tokens=1",
+                                        *TRAIN, *extra])
+
+
+@pytest.fixture(scope="module")
+def cached_run(tmp_path_factory, ray_local, tiny_target_dir):
+    root = tmp_path_factory.mktemp("train")
+    data = root / "chats.jsonl"
+    _chats(data, 120)
+    run_cache(_cfg(tiny_target_dir, root / "run", data))
+    return root, data
+
+
+def _losses(run_dir, name="dspark"):
+    rows = [json.loads(x) for x in (Path(run_dir) / "train" / name / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows], [r["loss"] for r in rows]
+
+
+def test_lr_schedule_warmup_then_cosine_peak_first():
+    f = lr_lambda(100, 0.04)
+    assert [round(f(s), 4) for s in range(5)] == [0.2, 0.4, 0.6, 0.8, 1.0]  # W = 4; step 4 is the peak
+    assert f(5) < 1.0 and f(99) < 0.001 and abs(f(52) - 0.5) < 1e-9
+
+
+def test_rank_order_partitions_each_epoch():
+    split = split_shards({0: 5, 1: 4, 2: 6, 3: 0, 4: 3}, heldout_shards=1)
+    assert split.train == (0, 1, 2) and split.heldout == (4,)
+    orders = [rank_order(split, seed=0, epoch=1, rank=r, world=2) for r in range(2)]
+    assert sorted(orders[0] + orders[1]) == sorted((s, k) for s in (0, 1, 2) for k in range(split.counts[s]))
+    assert not {s for s, _ in orders[0]} & {s for s, _ in orders[1]}  # ranks read disjoint shards
+    assert rank_order(split, seed=0, epoch=1, rank=0, world=2) == orders[0]
+    assert rank_order(split, seed=0, epoch=2, rank=0, world=2) != orders[0]
+    n = micro_steps_per_epoch(split, seed=0, epoch=1, world=2, micro_batch=2, accumulation=2)
+    assert n == (min(len(o) for o in orders) // 2) // 2 * 2
+    with pytest.raises(ValueError, match="leaves none to train on"):
+        split_shards({0: 3}, heldout_shards=1)
+
+
+def test_checkpoint_refuses_missing_rank_part(tmp_path):
+    url = str(tmp_path / "train")
+    ckpt = f"{url}/checkpoints/step-000002"
+    (tmp_path / "train/checkpoints/step-000002/engine").mkdir(parents=True)
+    (tmp_path / "train/checkpoints/step-000002/engine/a.pt").write_bytes(b"1234")
+    write_part(ckpt, 0, {"a.pt": 4})
+    with pytest.raises(CheckpointError, match="rank 1's part is missing"):
+        commit(url, 2, {"world_size": 2})
+    assert latest_checkpoint(url) is None
+    write_part(ckpt, 1, {"b.pt": 9})
+    with pytest.raises(CheckpointError, match="engine/b.pt is missing or truncated"):
+        read_parts(ckpt, 2)
+    (tmp_path / "train/checkpoints/step-000002/engine/b.pt").write_bytes(b"123456789")
+    commit(url, 2, {"world_size": 2, "step": 2})
+    assert latest_checkpoint(url)[1]["step"] == 2
+    (tmp_path / "train/latest").write_text("step-000004")
+    with pytest.raises(CheckpointError, match="not committed"):
+        latest_checkpoint(url)
+
+
+@pytest.mark.integration
+def test_fingerprint_mismatch_refused_before_training(cached_run, tiny_target_dir):
+    from pipeline.train import run_train
+
+    root, data = cached_run
+    cfg = _cfg(tiny_target_dir, root / "run", data, "target.target_layer_ids=[0,1]")
+    t0 = time.time()
+    with pytest.raises(FingerprintMismatchError, match="target_layer_ids"):
+        run_train(cfg)
+    assert time.time() - t0 < 30 and not (root / "run" / "train").exists()
+
+
+@pytest.mark.integration
+def test_zero2_loss_falls_and_matches_ddp(cached_run, tiny_target_dir, tmp_path):
+    from pipeline.train import run_train
+
+    root, data = cached_run
+    runs = {}
+    for stage in (2, 0):
+        run_dir = tmp_path / f"z{stage}"
+        run_dir.mkdir()
+        (run_dir / "cache").symlink_to(root / "run" / "cache")
+        s = run_train(_cfg(tiny_target_dir, run_dir, data, f"train.zero_stage={stage}", "train.max_steps=8",
+                           "train.checkpoint_every_steps=100"))
+        assert s["drafters"]["dspark"]["world_size"] == 2
+        runs[stage] = _losses(run_dir)
+    steps, z2 = runs[2]
+    assert steps == list(range(1, 9))
+    assert sum(z2[-3:]) / 3 < sum(z2[:3]) / 3  # the loss falls
+    torch.testing.assert_close(torch.tensor(z2), torch.tensor(runs[0][1]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.integration
+def test_kill_and_resume_continues_at_next_step(cached_run, tiny_target_dir, tmp_path):
+    """SIGKILL the CLI after checkpoint step 4; the rerun continues at step 5 and ends with the
+    weights of an uninterrupted run (same samples, same anchors, same optimizer state)."""
+    root, data = cached_run
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "DS_ACCELERATOR": "cpu"}
+
+    def cli(run_dir):
+        run_dir.mkdir()
+        (run_dir / "cache").symlink_to(root / "run" / "cache")
+        args = ["+stage=train", str(DEFAULT_CONFIG), f"target.path={tiny_target_dir}", f"run_dir={run_dir}",
+                f"data.train_files=[{data}]", "generate.enabled=false", "cache.rows_per_shard=20",
+                "data.min_loss_tokens=1", *TRAIN, "train.max_steps=10", "train.checkpoint_every_steps=2",
+                "ray.num_cpus=2"]
+        return [sys.executable, "-m", "pipeline.run", *args]
+
+    killed, full = tmp_path / "killed", tmp_path / "full"
+    p = subprocess.Popen(cli(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    latest = killed / "train" / "dspark" / "latest"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (latest.exists() and latest.read_text() >= "step-000004"):
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    ckpt_step = int(latest.read_text().split("-")[1])
+    assert 4 <= ckpt_step < 10
+    args = cli(killed / "again")[3:]  # same command, same run_dir
+    args = [a if not a.startswith("run_dir=") else f"run_dir={killed}" for a in args]
+    assert subprocess.run([sys.executable, "-m", "pipeline.run", *args], env=env, capture_output=True,
+                          timeout=400).returncode == 0
+    assert subprocess.run(cli(full), env=env, capture_output=True, timeout=400).returncode == 0
+    steps, losses = _losses(killed)
+    resumed = steps[steps.index(ckpt_step + 1, 1):] if steps.count(ckpt_step + 1) > 1 else steps[ckpt_step:]
+    assert resumed == list(range(ckpt_step + 1, 11))  # continues at N + 1
+    full_steps, full_losses = _losses(full)
+    assert full_steps == list(range(1, 11))
+    torch.testing.assert_close(torch.tensor(losses[-len(resumed):]), torch.tensor(full_losses[ckpt_step:]))
+    a = load_file(killed / "train/dspark/checkpoints/step-000010/drafter.safetensors")
+    b = load_file(full / "train/dspark/checkpoints/step-000010/drafter.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
