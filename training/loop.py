@@ -251,3 +251,29 @@ def _progress(total: int, done: int, name: str):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=done, desc=f"train {name}", unit="step")
+
+
+def load_trained_drafter(cfg: RunConfig, name: str, target_dir: str):
+    """The drafter ``name`` with the weights of its newest committed checkpoint (eval mode).
+
+    Raises:
+        FileNotFoundError: no committed checkpoint under ``<run_dir>/train/<name>`` (run the train stage).
+    """
+    from safetensors.torch import load
+    from training.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(join(cfg.run_dir, "train", name))
+    if found is None:
+        raise FileNotFoundError(f"no committed checkpoint for drafter {name!r} under {cfg.run_dir}/train/{name}: "
+                                "run +stage=train first")
+    fs, path = filesystem(join(found[0], "drafter.safetensors"))
+    weights = load(fs.cat_file(path))
+    d2t = weights.get("d2t")
+    model = build_drafter(cfg.train.drafters[name], cfg, target_dir, d2t)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    frozen = ("embed_tokens.", "lm_head.", "target_lm_head")
+    missing = [k for k in missing if not k.startswith(frozen)]
+    if missing or unexpected:
+        raise ValueError(f"{path}: checkpoint does not fit drafter {name!r} (missing {missing}, unexpected "
+                         f"{unexpected}); the train.drafters.{name} config changed since training")
+    return model.eval()
