@@ -67,6 +67,38 @@ def length_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
+class LayerTap:
+    """Forward hooks that capture the target's layers at ``target_layer_ids`` and its final norm
+    output on every forward of ``model`` (batched prefill, or verification steps with a KV cache).
+
+    Raises:
+        ConfigError: bad layer ids for this target.
+    """
+
+    def __init__(self, model: torch.nn.Module, target_layer_ids: Sequence[int]):
+        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.ids = list(target_layer_ids)
+        check_layer_ids(self.ids, len(self.base.layers))
+        self._captured: dict = {}
+        for k in self.ids:
+            module = self.base.embed_tokens if k == -1 else self.base.layers[k]
+            module.register_forward_hook(self._hook(k))
+        self.base.norm.register_forward_hook(self._hook("norm"))
+
+    def _hook(self, key):
+        def hook(_module, _inputs, output):
+            self._captured[key] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def features(self) -> torch.Tensor:
+        """[B, T, L*H] the captured layers of the last forward, concatenated in id order."""
+        return torch.cat([self._captured[k] for k in self.ids], dim=-1)
+
+    def final(self) -> torch.Tensor:
+        """[B, T, H] the final post-norm hidden state of the last forward."""
+        return self._captured["norm"]
+
+
 class TargetPrefill:
     """Runs the frozen target over batches and returns per-sample :class:`PrefillOutput`.
 
@@ -80,21 +112,8 @@ class TargetPrefill:
     """
 
     def __init__(self, model: torch.nn.Module, target_layer_ids: Sequence[int]):
-        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        self.ids = list(target_layer_ids)
-        check_layer_ids(self.ids, len(self.base.layers))
+        self.tap = LayerTap(model, target_layer_ids)
         self.device = next(model.parameters()).device
-        self._captured: dict[int, torch.Tensor] = {}
-        self._handles = []
-        for k in self.ids:
-            module = self.base.embed_tokens if k == -1 else self.base.layers[k]
-            self._handles.append(module.register_forward_hook(self._hook(k)))
-        self._handles.append(self.base.norm.register_forward_hook(self._hook("norm")))
-
-    def _hook(self, key):
-        def hook(_module, _inputs, output):
-            self._captured[key] = output[0] if isinstance(output, tuple) else output
-        return hook
 
     @torch.inference_mode()
     def __call__(self, input_ids: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]) -> list[PrefillOutput]:
@@ -115,13 +134,11 @@ class TargetPrefill:
         for i, x in enumerate(input_ids):
             ids[i, : lengths[i]] = torch.as_tensor(np.asarray(x, dtype=np.int64))
             attn[i, : lengths[i]] = 1
-        self._captured.clear()
-        self.base(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False)
-        feats = torch.cat([self._captured[k] for k in self.ids], dim=-1).to("cpu", torch.bfloat16)
-        final = self._captured["norm"].to("cpu", torch.bfloat16)
+        self.tap.base(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False)
+        feats = self.tap.features().to("cpu", torch.bfloat16)
+        final = self.tap.final().to("cpu", torch.bfloat16)
         out = []
         for i, n in enumerate(lengths):
             pos = torch.as_tensor(next_supervised_positions(loss_masks[i]))
             out.append(PrefillOutput(feats[i, :n].clone(), final[i, pos].clone()))
-        self._captured.clear()
         return out

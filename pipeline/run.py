@@ -30,6 +30,9 @@ STAGES: dict[str, str] = {
     "generate": "pipeline.generate:run_generate",
     "cache": "pipeline.cache:run_cache",
     "train": "pipeline.train:run_train",
+    "calibrate": "pipeline.calibrate:run_calibrate",
+    "export": "pipeline.export:run_export",
+    "evaluate": "pipeline.evaluate:run_evaluate",
 }
 
 _HYDRA_DEFAULTS = ("hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout")

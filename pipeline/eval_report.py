@@ -1,0 +1,87 @@
+"""Markdown tables and PNG plots of the evaluate stage's results."""
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.storage import filesystem
+
+
+def write_text(url: str, text: str) -> None:
+    write_bytes(url, text.encode())
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    fs, path = filesystem(url)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, data)
+
+
+def tau_table(results: dict[str, Any], scheduler: dict[str, Any]) -> str:
+    """Markdown: tau per drafter and temperature (overall and per task), DSpark/DFlash ratio, and the
+    scheduler against the best fixed block size per concurrency."""
+    lines = ["| T | drafter | tau | verified/round | tokens/s | vs target |", "|---|---|---|---|---|---|"]
+    for key, res in results.items():
+        for name, r in res["drafters"].items():
+            o = r["overall"]
+            lines.append(f"| {key[2:]} | {name} | {o['tau']:.3f} | {o['verified_per_round']:.2f} | "
+                         f"{o['tokens_per_s']:.1f} | {o['speedup_vs_target']:.2f}x |")
+        lines.append(f"| {key[2:]} | (target alone) | 1.000 | - | {res['target_tokens_per_s']:.1f} | 1.00x |")
+    ratios = []
+    for key, res in results.items():
+        d = res["drafters"]
+        if "dspark" in d and "dflash" in d:
+            ratios.append(f"{key}: {d['dspark']['overall']['tau'] / d['dflash']['overall']['tau']:.3f}")
+    if ratios:
+        lines += ["", "tau ratio DSpark / DFlash: " + ", ".join(ratios)]
+    tasks = sorted({t for res in results.values() for r in res["drafters"].values() for t in r["tasks"]})
+    if len(tasks) > 1:
+        lines += ["", "| T | drafter | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
+        for key, res in results.items():
+            for name, r in res["drafters"].items():
+                cells = [f"{r['tasks'][t]['tau']:.3f}" if t in r["tasks"] else "-" for t in tasks]
+                lines.append(f"| {key[2:]} | {name} | " + " | ".join(cells) + " |")
+    for name, sim in scheduler.items():
+        lines += ["", f"scheduler ({name}, simulated on the SPS curve): tokens/s",
+                  "| R | best fixed gamma | fixed | scheduler | ratio | production | ratio |", "|---|---|---|---|---|---|---|"]
+        for r in sim["results"]:
+            best = r["best_fixed_gamma"]
+            lines.append(f"| {r['R']} | {best} | {r['fixed'][str(best)]['tokens_per_s']:.0f} | "
+                         f"{r['scheduler']['tokens_per_s']:.0f} | {r['ratio_scheduler']:.3f} | "
+                         f"{r['production']['tokens_per_s']:.0f} | {r['ratio_production']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_acceptance(results: dict[str, Any], acceptance_url: str, tau_url: str) -> None:
+    """Per-position conditional acceptance and tau per drafter and temperature, as two PNGs."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, res in results.items():
+        for name, r in res["drafters"].items():
+            cond = r["overall"]["conditional_acceptance"]
+            ax.plot(range(1, len(cond) + 1), [c if c is not None else float("nan") for c in cond],
+                    marker="o", label=f"{name} {key}")
+    ax.set(xlabel="draft position k", ylabel="P(accept k | accepted k-1)", ylim=(0, 1.02))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    figs = [(fig, acceptance_url)]
+    fig2, ax2 = plt.subplots(figsize=(6, 4))
+    names = sorted({n for res in results.values() for n in res["drafters"]})
+    for i, key in enumerate(results):
+        taus = [results[key]["drafters"][n]["overall"]["tau"] if n in results[key]["drafters"] else 0 for n in names]
+        ax2.bar([j + 0.8 * i / len(results) for j in range(len(names))], taus, width=0.8 / len(results), label=key)
+    ax2.set_xticks(range(len(names)), names)
+    ax2.set(ylabel="acceptance length tau")
+    ax2.legend()
+    fig2.tight_layout()
+    figs.append((fig2, tau_url))
+    for f, url in figs:
+        buf = io.BytesIO()
+        f.savefig(buf, format="png", dpi=110)
+        plt.close(f)
+        write_bytes(url, buf.getvalue())

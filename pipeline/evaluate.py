@@ -1,0 +1,158 @@
+"""Evaluate stage: acceptance length (tau) of every trained drafter, against plain target decoding,
+plus static confidence thresholds and the hardware-aware scheduler simulated on measured costs.
+
+Prompts come from ``data.eval_files`` through the same chat ingestion and rendering as the cache
+(same template and render options, reported in the summary). A prompt is a chat up to its first
+assistant turn.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.chats import Chat, iter_chats
+from pipeline.config import RunConfig
+from pipeline.render import render_options, render_prompt
+from pipeline.speculate import Decoded, full_block, plain_decode, speculative_decode, threshold_policy
+from pipeline.storage import join, read_json
+
+
+def eval_prompts(cfg: RunConfig, tokenizer) -> list[tuple[str, list[int]]]:
+    """``(task, prompt ids)`` for the first ``evaluate.num_prompts`` usable rows of the eval files;
+    the task is the file's name without extension."""
+    from pipeline.cache import _resolve
+
+    out: list[tuple[str, list[int]]] = []
+    for source, url in enumerate(_resolve(f) for f in cfg.data.eval_files):
+        task = url.rsplit("/", 1)[-1].split(".")[0]
+        for item in iter_chats(url, source, require_answer=False):
+            if len(out) >= cfg.evaluate.num_prompts:
+                return out
+            if not isinstance(item, Chat):
+                continue
+            turns = list(item.messages)
+            first = next((i for i, m in enumerate(turns) if m["role"] == "assistant"), len(turns))
+            ids = render_prompt(tokenizer, turns[:first], cfg.data.render)
+            if len(ids) < cfg.data.max_length:
+                out.append((task, ids))
+    return out
+
+
+def round_metrics(runs: list[Decoded], gamma: int) -> dict[str, Any]:
+    """tau (tokens per round incl. the bonus), conditional acceptance and survival per position
+    (over rounds that verified that position), verified tokens and times per round."""
+    rounds = [r for d in runs for r in d.rounds]
+    if not rounds:
+        return {"rounds": 0}
+    acc = np.array([r.accepted for r in rounds])
+    ver = np.array([r.verified for r in rounds])
+    cond, surv = [], []
+    for k in range(1, gamma + 1):
+        seen = ver >= k
+        reached = seen & (acc >= k - 1)
+        cond.append(float((acc[reached] >= k).mean()) if reached.any() else None)
+        surv.append(float((acc[seen] >= k).mean()) if seen.any() else None)
+    tokens = sum(len(d.tokens) for d in runs)
+    seconds = sum(d.seconds for d in runs)
+    return {"rounds": len(rounds), "tau": float((acc + 1).mean()), "verified_per_round": float(ver.mean()),
+            "conditional_acceptance": cond, "survival": surv, "tokens": tokens,
+            "tokens_per_s": tokens / max(seconds, 1e-9),
+            "draft_ms_per_round": 1e3 * float(np.mean([r.draft_s for r in rounds])),
+            "verify_ms_per_round": 1e3 * float(np.mean([r.verify_s for r in rounds]))}
+
+
+def _temperatures(cfg: RunConfig, name: str) -> list[float] | None:
+    try:
+        return read_json(join(cfg.run_dir, "calibrate", name, "report.json"))["temperatures"]
+    except FileNotFoundError:
+        return None
+
+
+def _decode_all(fn, prompts, seed: int, **kw) -> dict[str, list[Decoded]]:
+    by_task: dict[str, list[Decoded]] = {}
+    gen = torch.Generator().manual_seed(seed)
+    for task, ids in prompts:
+        by_task.setdefault(task, []).append(fn(prompt=ids, generator=gen, **kw))
+    return by_task
+
+
+def _block_records(runs: list[Decoded], temperatures: list[float] | None) -> tuple[np.ndarray, np.ndarray]:
+    """Prefix-closed 0/1 outcomes and calibrated confidences of the fully verified blocks."""
+    full = [r for d in runs for r in d.rounds if r.verified == r.gamma and r.confidence_logits is not None]
+    if not full:
+        return np.zeros((0, 0)), np.zeros((0, 0))
+    gamma = full[0].gamma
+    outcomes = np.array([[1 if k < r.accepted else 0 for k in range(gamma)] for r in full])
+    z = torch.tensor([r.confidence_logits for r in full])
+    t = torch.ones(gamma) if temperatures is None else torch.tensor(temperatures[:gamma], dtype=torch.float32)
+    return outcomes, torch.sigmoid(z / t).numpy()
+
+
+def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
+    """``+stage=evaluate``: tau tables (T in ``evaluate.temperatures``), thresholds, scheduler.
+
+    Writes ``<run_dir>/evaluate/`` ``tau_table.md``, ``tau.png``, ``acceptance.png``, ``sps.json``.
+    """
+    from pipeline.eval_report import plot_acceptance, tau_table, write_text
+    from pipeline.prefill import LayerTap
+    from pipeline.scheduler import SPSCurve, simulate
+    from pipeline.sps import profile_sps
+    from pipeline.target import load_target
+    from training.loop import load_trained_drafter
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    model, tok, target_dir = load_target(cfg.target)
+    prompts = eval_prompts(cfg, tok)
+    if not prompts:
+        raise ValueError("no usable evaluation prompt in data.eval_files")
+    stop = {tok.eos_token_id, *np.atleast_1d(model.generation_config.eos_token_id or []).tolist()} - {None}
+    drafters = {n: load_trained_drafter(cfg, n, target_dir) for n in cfg.train.drafters}
+    tap = LayerTap(model, cfg.target.target_layer_ids)
+    ev, common = cfg.evaluate, {"max_new_tokens": cfg.evaluate.max_new_tokens, "stop_ids": stop}
+    results: dict[str, Any] = {}
+    records: dict[str, Any] = {}
+    for T in ev.temperatures:
+        key = f"T={T:g}"
+        base = _decode_all(lambda **kw: plain_decode(model, **kw), prompts, ev.seed, temperature=T, **common)
+        base_tps = sum(len(d.tokens) for v in base.values() for d in v) / sum(d.seconds for v in base.values() for d in v)
+        results[key] = {"target_tokens_per_s": base_tps, "drafters": {}}
+        for name, drafter in drafters.items():
+            runs = _decode_all(lambda **kw: speculative_decode(model, drafter, tap=tap, **kw), prompts, ev.seed,
+                               temperature=T, **common)
+            gamma = drafter.config.block_size
+            overall = round_metrics([d for v in runs.values() for d in v], gamma)
+            overall["speedup_vs_target"] = overall.get("tokens_per_s", 0.0) / base_tps
+            results[key]["drafters"][name] = {"overall": overall,
+                                              "tasks": {t: round_metrics(v, gamma) for t, v in runs.items()}}
+            records[(key, name)] = [d for v in runs.values() for d in v]
+    t_thr = max(ev.temperatures)
+    thresholds = {}
+    for name, drafter in drafters.items():
+        if drafter.confidence_head is None:
+            continue
+        temps = _temperatures(cfg, name)
+        thresholds[name] = []
+        for thr in ev.thresholds:
+            runs = _decode_all(lambda **kw: speculative_decode(model, drafter, tap=tap, policy=threshold_policy(thr, temps), **kw),
+                               prompts, ev.seed, temperature=t_thr, **common)
+            m = round_metrics([d for v in runs.values() for d in v], drafter.config.block_size)
+            thresholds[name].append({"threshold": thr, "tau": m.get("tau"), "verified_per_round": m.get("verified_per_round")})
+    sps = SPSCurve.load(ev.sps_table) if ev.sps_table else profile_sps(model)
+    sps.save(join(cfg.run_dir, "evaluate", "sps.json"))
+    scheduler = {}
+    for name in drafters:
+        outcomes, conf = _block_records(records[(f"T={t_thr:g}", name)], _temperatures(cfg, name))
+        if len(outcomes):
+            scheduler[name] = simulate(outcomes, conf, sps, concurrency=ev.concurrency, seed=ev.seed)
+    out_dir = join(cfg.run_dir, "evaluate")
+    table = tau_table(results, scheduler)
+    write_text(join(out_dir, "tau_table.md"), table)
+    plot_acceptance(results, join(out_dir, "acceptance.png"), join(out_dir, "tau.png"))
+    print(table, flush=True)
+    return {"prompts": len(prompts), "tasks": sorted({t for t, _ in prompts}), "render_options": render_options(cfg.data.render),
+            "results": results, "thresholds": thresholds, "scheduler": scheduler,
+            "sps": {"batch_tokens": sps.batch_tokens.tolist(), "steps_per_s": sps.steps_per_s.tolist(),
+                    "source": ev.sps_table or "profiled on this machine"}}
