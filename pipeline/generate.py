@@ -1,0 +1,462 @@
+"""Generate stage: the target rewrites every assistant turn of the chats, resumably.
+
+Drafters learn the target's own distribution, so before caching, each assistant turn is regenerated
+by the target in order, turn k+1 conditioned on the regenerated turns 1..k; a chat that ends with a
+user turn is a prompt and gets its answer appended.
+
+Pipeline (Ray Data): plan spans (one shard = a fixed row range of one input file, numbered across
+files) -> skip committed shards -> an actor pool of generators (HF ``generate`` or ``vllm.LLM``),
+one shard per call: the actor regenerates the shard's chats, writes the shard in input order, its
+error file, then its commit record last (only if absent), and returns metadata only. Sampling is
+seeded per request from (seed, source, row, turn) and HF batches are fixed by input order, so a
+killed run, rerun, ends with the rows (and text) of an uninterrupted one: none duplicated or lost.
+
+Layout under ``<run_dir>/generate/``: ``shards/shard-000000.jsonl`` (OpenAI ``messages`` rows that
+:func:`pipeline.chats.iter_chats` reads), ``errors/shard-000000.jsonl`` (skipped and failed rows with
+their source file and line), ``commits/shard-000000.json`` (counts, checksum, settings).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+from pipeline.chats import REASONS, BadRow, Chat, RowError, ShardSpan, iter_chats, plan_spans
+from pipeline.config import RunConfig
+from pipeline.engines import GenerationEngine, SamplingSpec
+from pipeline.errors import PipelineError
+from pipeline.render import render_options, render_prompt
+from pipeline.storage import filesystem, join
+
+log = logging.getLogger("pipeline.generate")
+
+# generation failure code -> what a user reads in the error file (ingestion codes: chats.REASONS)
+GENERATE_REASONS = {
+    "prompt_too_long": "the first prompt already fills data.max_length tokens: no answer would be cached",
+    "empty_generation": "the target wrote an empty or whitespace-only answer",
+    "generation_error": "the engine raised on this row",
+}
+
+
+class GenerateSettingsMismatchError(PipelineError):
+    """``<run_dir>/generate`` holds committed shards made with other settings or another plan."""
+
+
+class ShardCommitConflictError(PipelineError):
+    """Two writers generated the same shard (the commit record already existed)."""
+
+
+def generate_url(cfg: RunConfig) -> str:
+    """The stage's output root: ``<run_dir>/generate``."""
+    return join(cfg.run_dir, "generate")
+
+
+def _name(shard: int) -> str:
+    return f"shard-{shard:06d}"
+
+
+def _resolve(url: str) -> str:
+    if url.startswith("embedded:"):
+        from pipeline.embedded import resolve_embedded
+
+        return resolve_embedded(url)
+    return url
+
+
+def plan(cfg: RunConfig) -> list[tuple[int, ShardSpan]]:
+    """All shards as ``(shard index, span)``: spans of ``generate.rows_per_shard`` input rows of
+    ``data.train_files``, numbered across files in order; ``generate.max_rows`` keeps a prefix of
+    whole spans.
+
+    Raises:
+        PipelineError: no input files; BadInputFileError: a missing or unreadable file.
+    """
+    files = [_resolve(f) for f in cfg.data.train_files]
+    if not files:
+        raise PipelineError("data.train_files is empty: list the prompt/chat files (JSONL or Parquet) to generate from")
+    if cfg.generate.rows_per_shard < 1:
+        raise PipelineError(f"generate.rows_per_shard must be >= 1 (got {cfg.generate.rows_per_shard})")
+    spans: list[ShardSpan] = []
+    for source, url in enumerate(files):
+        spans += plan_spans(url, source, cfg.generate.rows_per_shard)
+    if cfg.generate.max_rows is not None:
+        kept, rows = [], 0
+        for s in spans:
+            if rows >= cfg.generate.max_rows:
+                break
+            kept.append(s)
+            rows += s.row_end - s.row_start
+        spans = kept
+    return list(enumerate(spans))
+
+
+def sampling_record(cfg: RunConfig) -> dict[str, Any]:
+    """The sampling parameters recorded with every output row."""
+    g = cfg.generate
+    return {"temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
+            "max_new_tokens": g.max_new_tokens, "seed": g.seed, "engine": g.engine.value}
+
+
+def settings(cfg: RunConfig, local_dir: str) -> dict[str, Any]:
+    """What a committed shard must have been made with to be reused: sampling, the target (by the
+    SHA-256 of its ``embed_tokens``/``lm_head`` weights, never its name), render options and
+    ``data.max_length``."""
+    from cache_schema import tensor_sha256
+    from pipeline.target import load_shared_weights
+
+    embed, lm_head = load_shared_weights(local_dir)
+    return {"sampling": sampling_record(cfg), "render": render_options(cfg.data.render),
+            "max_length": cfg.data.max_length,
+            "target": {"embed_sha256": tensor_sha256(embed), "lm_head_sha256": tensor_sha256(lm_head)}}
+
+
+def request_seed(seed: int, source: int, row: int, turn: int) -> int:
+    """The sampling seed of one request (31 bits), from the run seed and the turn's provenance."""
+    digest = hashlib.blake2b(f"{seed}:{source}:{row}:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**31
+
+
+def answer_slots(messages: Sequence[dict[str, str]]) -> list[int]:
+    """Message indexes to (re)write, ascending: every assistant turn, plus ``len(messages)`` when
+    the chat ends with a user turn or has no answer at all (the answer is appended)."""
+    slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if messages and (messages[-1]["role"] == "user" or not slots):
+        slots.append(len(messages))
+    return slots
+
+
+@dataclass
+class _Work:
+    chat: Chat
+    messages: list[dict[str, str]]
+    slots: list[int]
+    finish: list[str] = field(default_factory=list)
+    failure: BadRow | None = None
+
+    def fail(self, reason: str, detail: str) -> None:
+        c, what = self.chat, GENERATE_REASONS.get(reason) or REASONS.get(reason, reason)
+        self.failure = BadRow(c.source, c.row, c.path, reason, f"{what} ({detail})", c.row_id)
+
+
+@dataclass
+class ShardResult:
+    """One shard's regeneration: output ``rows`` in input order, error ``records`` (ingestion skips
+    and generation failures, in input order) and ``stats`` (counts, tokens, seconds)."""
+
+    rows: list[dict[str, Any]]
+    errors: list[dict[str, Any]]
+    stats: dict[str, Any]
+
+
+def regenerate(chats: Sequence[Chat | BadRow], engine: GenerationEngine, cfg: RunConfig) -> ShardResult:
+    """Regenerate every answer of ``chats`` (a pure function of its inputs, the engine and config).
+
+    Round r generates the r-th answer of every chat that has one, in batches of
+    ``generate.batch_size`` taken in (prompt length, input) order; its prompt is the chat up to that
+    answer with the earlier answers already regenerated, rendered with the target's template and
+    ``data.render``. A later answer whose prompt no longer fits ``data.max_length`` ends the chat
+    after the previous answer (the cache could supervise none of the rest); the row is kept.
+
+    Args:
+        chats: one shard's items from :func:`pipeline.chats.iter_chats` (``require_answer=False``).
+        engine: a :class:`pipeline.engines.GenerationEngine` (its ``tokenizer`` renders prompts).
+
+    Returns:
+        :class:`ShardResult`; a failed row (``GENERATE_REASONS`` or render codes) is in ``errors``
+        only, never in ``rows``.
+    """
+    sampling = SamplingSpec.from_config(cfg.generate)
+    record = sampling_record(cfg)
+    work = [_Work(c, [dict(m) for m in c.messages], answer_slots(c.messages)) for c in chats
+            if isinstance(c, Chat)]
+    stats = {"turns_generated": 0, "new_tokens": 0, "turns_cut": 0, "generate_seconds": 0.0,
+             "finish_reasons": {"stop": 0, "length": 0}}
+    for turn in range(max((len(w.slots) for w in work), default=0)):
+        todo = _prompts(work, turn, engine.tokenizer, cfg, stats)
+        todo.sort(key=lambda t: len(t[1]))  # stable: ties keep input order
+        t0 = time.perf_counter()
+        for b in range(0, len(todo), cfg.generate.batch_size):
+            batch = todo[b: b + cfg.generate.batch_size]
+            for (w, _, _), gen in zip(batch, _generate_isolating(engine, batch, sampling)):
+                if isinstance(gen, Exception):
+                    w.fail("generation_error", f"answer {turn + 1}: {type(gen).__name__}: {gen}")
+                    continue
+                stats["turns_generated"] += 1
+                stats["new_tokens"] += gen.num_tokens
+                stats["finish_reasons"][gen.finish_reason] += 1
+                if not gen.text.strip():
+                    w.fail("empty_generation", f"answer {turn + 1} is empty (finish: {gen.finish_reason})")
+                    continue
+                w.messages[w.slots[turn]: w.slots[turn] + 1] = [{"role": "assistant", "content": gen.text}]
+                w.finish.append(gen.finish_reason)
+        stats["generate_seconds"] = round(stats["generate_seconds"] + time.perf_counter() - t0, 3)
+    rows = [{"id": w.chat.row_id, "messages": w.messages, "source": w.chat.path, "source_index": w.chat.source,
+             "row": w.chat.row, "sampling": record, "finish_reasons": w.finish}
+            for w in work if w.failure is None]
+    failed = {(w.chat.source, w.chat.row): w.failure for w in work if w.failure is not None}
+    errors = [c.record() if isinstance(c, BadRow) else failed[(c.source, c.row)].record()
+              for c in chats if isinstance(c, BadRow) or (c.source, c.row) in failed]
+    reasons: dict[str, int] = {}
+    for e in errors:
+        reasons[e["reason"]] = reasons.get(e["reason"], 0) + 1
+    stats.update(rows_in=len(chats), rows_kept=len(rows), rows_failed=dict(sorted(reasons.items())))
+    return ShardResult(rows, errors, stats)
+
+
+def _prompts(work: list[_Work], turn: int, tokenizer, cfg: RunConfig, stats: dict[str, Any]) -> list[tuple]:
+    """``(work, prompt ids, seed)`` for every live chat with a ``turn``-th answer; fails or cuts the
+    chats whose prompt does not render or does not fit ``data.max_length``."""
+    todo = []
+    for w in work:
+        if w.failure is not None or turn >= len(w.slots):
+            continue
+        try:
+            ids = render_prompt(tokenizer, w.messages[: w.slots[turn]], cfg.data.render)
+        except RowError as e:
+            w.fail(e.reason, f"answer {turn + 1}: {e.detail}")
+            continue
+        if len(ids) < cfg.data.max_length:
+            todo.append((w, ids, request_seed(cfg.generate.seed, w.chat.source, w.chat.row, turn)))
+        elif turn == 0:
+            w.fail("prompt_too_long", f"{len(ids)} prompt tokens >= data.max_length={cfg.data.max_length}")
+        else:  # end the chat after the last answer that fit; the cache would truncate the rest anyway
+            del w.messages[w.slots[turn - 1] + 1:]
+            del w.slots[turn:]
+            stats["turns_cut"] += 1
+    return todo
+
+
+def _generate_isolating(engine: GenerationEngine, batch, sampling: SamplingSpec) -> list:
+    """Generate a batch; if the engine raises, retry its prompts one by one so that only the rows
+    that fail on their own are lost. Returns a Generation or the exception, per prompt."""
+    try:
+        return engine.generate([ids for _, ids, _ in batch], sampling, [s for _, _, s in batch])
+    except Exception as e:  # noqa: BLE001 - isolate the row(s) that make the engine raise
+        if len(batch) == 1:
+            return [e]
+    out = []
+    for item in batch:
+        try:
+            out += engine.generate([item[1]], sampling, [item[2]])
+        except Exception as e:  # noqa: BLE001 - recorded in the error file with its reason
+            out.append(e)
+    return out
+
+
+def generate_shard(span: ShardSpan, engine: GenerationEngine, cfg: RunConfig) -> ShardResult:
+    """Read one shard's rows (chats ending with a user turn are prompts) and :func:`regenerate` them.
+
+    Raises:
+        BadInputFileError: the input file is missing or unreadable.
+    """
+    return regenerate(list(iter_chats(span.url, span.source, require_answer=False, span=span)), engine, cfg)
+
+
+def _jsonl(records: Sequence[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+
+
+def write_shard(out_url: str, shard: int, span: ShardSpan, result: ShardResult, settings_: dict[str, Any],
+                writer_id: str) -> dict[str, Any]:
+    """Write a shard's rows, then its error file, then its commit record (created only if absent).
+
+    Returns:
+        The commit record: ``shard``, ``file``, ``bytes``, ``sha256``, the span (``source``, ``url``,
+        ``row_start``, ``row_end``), ``stats`` and ``settings``.
+
+    Raises:
+        ShardCommitConflictError: another writer committed this shard meanwhile (two writers must
+            never share a shard).
+    """
+    fs, root = filesystem(out_url)
+    data = _jsonl(result.rows)
+    for sub, payload in (("shards", data), ("errors", _jsonl(result.errors))):
+        fs.makedirs(f"{root}/{sub}", exist_ok=True)
+        fs.pipe_file(f"{root}/{sub}/{_name(shard)}.jsonl", payload)
+    record = {"shard": shard, "file": f"shards/{_name(shard)}.jsonl", "bytes": len(data),
+              "sha256": hashlib.sha256(data).hexdigest(), **asdict(span), "stats": result.stats,
+              "settings": settings_, "writer": writer_id}
+    fs.makedirs(f"{root}/commits", exist_ok=True)
+    try:
+        with fs.open(f"{root}/commits/{_name(shard)}.json", "xb") as f:
+            f.write(json.dumps(record, indent=1, sort_keys=True).encode())
+    except FileExistsError:
+        raise ShardCommitConflictError(
+            f"{out_url}: shard {shard} was committed by another writer while {writer_id!r} wrote it: two "
+            "writers must never share a run_dir; rerun +stage=generate alone") from None
+    return record
+
+
+def committed_records(out_url: str) -> dict[int, dict[str, Any]]:
+    """Every commit record under ``out_url`` (``<run_dir>/generate``), by shard index."""
+    fs, root = filesystem(out_url)
+    fs.invalidate_cache(f"{root}/commits")
+    if not fs.exists(f"{root}/commits"):
+        return {}
+    records = {}
+    for path in sorted(fs.ls(f"{root}/commits", detail=False)):
+        if path.endswith(".json"):
+            rec = json.loads(fs.cat_file(path))
+            records[int(rec["shard"])] = rec
+    return records
+
+
+def _diff(old: Any, new: Any, key: str) -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [d for k in sorted(set(old) | set(new)) for d in _diff(old.get(k), new.get(k), f"{key}.{k}")]
+    return [] if old == new else [f"{key}: {old!r} -> {new!r}"]
+
+
+def check_records(out_url: str, records: dict[int, dict[str, Any]], shards: list[tuple[int, ShardSpan]],
+                  want: dict[str, Any]) -> None:
+    """Refuse committed shards made with other settings, or covering other rows than the plan says.
+
+    Raises:
+        GenerateSettingsMismatchError: naming the differing fields and the fix.
+    """
+    spans = dict(shards)
+    for i, rec in sorted(records.items()):
+        diffs = _diff(rec["settings"], want, "generate")
+        if i in spans:
+            s = spans[i]
+            diffs += _diff({"url": rec["url"], "rows": [rec["row_start"], rec["row_end"]]},
+                           {"url": s.url, "rows": [s.row_start, s.row_end]}, f"shard {i}")
+        if diffs:
+            raise GenerateSettingsMismatchError(
+                f"{out_url} holds shards generated with other settings or inputs ({'; '.join(diffs[:4])}): "
+                "use a new run_dir, or delete that folder to regenerate everything")
+
+
+def generated_files(cfg: RunConfig) -> list[str]:
+    """The committed generate shard files (URLs) in shard order: what the cache reads when
+    ``generate.enabled``.
+
+    Raises:
+        PipelineError: no generate output, some planned shards are not committed, or a committed
+            shard file is missing or has another size than its commit record says.
+        GenerateSettingsMismatchError: the output was made with other settings or inputs.
+    """
+    from pipeline.target import resolve_target_path
+
+    out = generate_url(cfg)
+    shards = plan(cfg)
+    records = committed_records(out)
+    missing = [i for i, _ in shards if i not in records]
+    if missing:
+        raise PipelineError(f"{out}: {len(shards) - len(missing)} of {len(shards)} generate shards are committed "
+                            "(none or incomplete): run +stage=generate first or set generate.enabled=false")
+    check_records(out, records, shards, settings(cfg, resolve_target_path(cfg.target.path)))
+    fs, root = filesystem(out)
+    fs.invalidate_cache(f"{root}/shards")
+    sizes = {e["name"].rsplit("/", 1)[-1]: e["size"] for e in fs.ls(f"{root}/shards", detail=True)}
+    for i, _ in shards:
+        name = records[i]["file"].rsplit("/", 1)[-1]
+        if sizes.get(name) != records[i]["bytes"]:
+            raise PipelineError(f"{out}: {records[i]['file']} is missing or not {records[i]['bytes']} bytes as its "
+                                f"commit record says: delete commits/{_name(i)}.json and rerun +stage=generate")
+    return [join(out, records[i]["file"]) for i, _ in shards]
+
+
+class ShardGenerator:
+    """The generate actor: holds one engine (HF model or ``vllm.LLM``) and owns whole shards; it
+    regenerates, writes and commits each shard it is given and returns only metadata."""
+
+    def __init__(self, cfg: RunConfig, out_url: str, settings_: dict[str, Any], use_gpu: bool):
+        from pipeline.engines import make_engine
+
+        self.cfg, self.out_url, self.settings = cfg, out_url, settings_
+        self.engine = make_engine(cfg.generate, cfg.target, cfg.data.max_length + cfg.generate.max_new_tokens,
+                                  "cuda" if use_gpu else "cpu")
+        self.writer_id = f"{socket.gethostname()}:{os.getpid()}"
+
+    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
+        shard, span = int(item["shard"]), ShardSpan(**{k: item[k] for k in ShardSpan.__dataclass_fields__})
+        fs, root = filesystem(self.out_url)
+        if fs.exists(f"{root}/commits/{_name(shard)}.json"):  # a retried task: the shard is done
+            return {"shard": shard, "rows": span.row_end - span.row_start, "new_tokens": 0, "written": False}
+        result = generate_shard(span, self.engine, self.cfg)
+        write_shard(self.out_url, shard, span, result, self.settings, self.writer_id)
+        return {"shard": shard, "rows": span.row_end - span.row_start, "new_tokens": result.stats["new_tokens"],
+                "written": True}
+
+
+def _pool(n_pending: int) -> tuple[int, float | None]:
+    """Actor count and GPUs per actor: one actor per GPU of the cluster, else one per CPU."""
+    import ray
+
+    res = ray.cluster_resources()
+    gpus = int(res.get("GPU", 0))
+    if gpus:
+        return min(gpus, n_pending), 1
+    return max(1, min(int(res.get("CPU", 1)), n_pending)), None
+
+
+def totals(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Counts summed over commit records (what ``summary.json`` reports); ``generate_seconds`` is
+    engine time summed over actors (seconds), so ``new_tokens / generate_seconds`` is the
+    per-actor engine throughput in tokens/s."""
+    keys = ("rows_in", "rows_kept", "turns_generated", "turns_cut", "new_tokens", "generate_seconds")
+    out: dict[str, Any] = {**dict.fromkeys(keys, 0), "rows_failed": {}, "finish_reasons": {"stop": 0, "length": 0}}
+    for rec in records:
+        st = rec["stats"]
+        for k in keys:
+            out[k] += st[k]
+        for group in ("rows_failed", "finish_reasons"):
+            for k, v in st[group].items():
+                out[group][k] = out[group].get(k, 0) + v
+    out["rows_failed"] = dict(sorted(out["rows_failed"].items()))
+    out["generate_seconds"] = round(out["generate_seconds"], 3)
+    return out
+
+
+def run_generate(cfg: RunConfig) -> dict[str, Any]:
+    """The generate stage (``+stage=generate``). Returns the summary ``run.py`` writes to
+    ``generate/summary.json``: rows in/kept/failed by reason, turns, new tokens, tokens/s (new
+    tokens per wall second of this run's generation; None when nothing was left to generate),
+    shards planned/written/already committed, sampling parameters and engine.
+
+    Raises:
+        GenerateSettingsMismatchError: committed shards were made with other settings or inputs.
+        TargetNotFoundError, BadInputFileError, PipelineError: see :func:`plan`, :func:`settings`.
+    """
+    import ray
+    from tqdm import tqdm
+
+    from pipeline.cluster import init_ray
+    from pipeline.target import resolve_target_path
+
+    SamplingSpec.from_config(cfg.generate)  # validate before any start-up
+    out = generate_url(cfg)
+    want = settings(cfg, resolve_target_path(cfg.target.path))
+    shards = plan(cfg)
+    records = committed_records(out)
+    check_records(out, records, shards, want)
+    pending = [(i, s) for i, s in shards if i not in records]
+    log.info("generate: %d shards planned, %d already committed, %d to write",
+             len(shards), len(shards) - len(pending), len(pending))
+    run = {"shards_planned": len(shards), "shards_already_committed": len(shards) - len(pending),
+           "shards_written": 0, "tokens_per_s": None, "engine": cfg.generate.engine.value,
+           "sampling": sampling_record(cfg)}
+    if pending:
+        init_ray(cfg.ray)
+        workers, gpus = _pool(len(pending))
+        items = [{"shard": i, **asdict(s)} for i, s in pending]
+        ds = ray.data.from_items(items, override_num_blocks=len(items)).map(
+            ShardGenerator, fn_constructor_args=(cfg, out, want, gpus is not None),
+            compute=ray.data.ActorPoolStrategy(size=workers), num_gpus=gpus, num_cpus=1)
+        t0, new_tokens = time.perf_counter(), 0
+        with tqdm(total=sum(s.row_end - s.row_start for _, s in pending), unit="row", desc="generate") as bar:
+            for meta in ds.iter_rows():
+                run["shards_written"] += int(meta["written"])
+                new_tokens += meta["new_tokens"]
+                bar.update(meta["rows"])
+                bar.set_postfix(shards=run["shards_written"], tokens=new_tokens)
+        run["tokens_per_s"] = round(new_tokens / max(time.perf_counter() - t0, 1e-9), 1)
+        records = committed_records(out)
+    done = [records[i] for i, _ in shards if i in records]
+    return {**run, **totals(done)}
