@@ -1,0 +1,370 @@
+"""``verify``: a full check of every committed shard, parallel over threads, resumable via a cursor.
+
+Per shard: the commit record parses and belongs to this cache; every object it names exists with
+the recorded size (and no unrecorded object sits in the group); arrays have the dtypes and
+shapes the record and fingerprint imply; offsets are consistent with each other and with the
+loss mask; every array matches its SHA-256 checksum; features, feature scales and last_hidden
+are finite. Across shards: sample ids and (source, row) provenance are unique.
+
+Each problem is ``{shard, sample, sample_id, check, detail}`` (``sample`` = position in the shard,
+None for whole-shard problems). Arrays are streamed in blocks of about 64 MiB, so memory stays
+bounded by the worker count, not by the shard size.
+
+The cursor is a local JSON-lines file: a header line (URL, fingerprint digest), then one line per
+finished shard with its problems, sample ids and provenance (so uniqueness is still checked
+across shards without re-reading finished ones) and the SHA-256 of its commit record (a shard
+rewritten since is verified again). Each line is appended and fsynced when its shard finishes;
+on load a torn last line is dropped and the file is rewritten whole (temp file + rename).
+A verify that completes deletes its cursor, so the next one starts fresh.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cache_schema import CacheRoot, CorruptRecordError, Fingerprint, ShardNotCommittedError, ShardRecord
+from cache_schema.layout import (ATTR_CONTENT_HASHES, ATTR_ENCODING, ATTR_SAMPLE_IDS, BF16_BITS,
+                                 FEATURE_SCALE, FEATURES, FP8_E4M3_BITS, INPUT_IDS, LAST_HIDDEN,
+                                 LOSS_MASK, OFFSETS, ROW, SOURCE, SUP_OFFSETS, bits_to_bf16, commit_key)
+from ops.inspect import open_group, open_root
+from ops.report import preview, table
+
+BLOCK_BYTES = 64 * 2**20
+CURSOR_VERSION = 1
+READ_ERRORS = (FileNotFoundError, KeyError, ValueError, IndexError, TypeError, RuntimeError)
+
+
+class VerifyInterrupted(Exception):
+    """Verify stopped before the last shard (Ctrl-C); its progress is in the cursor file."""
+
+
+def problem(shard: int, check: str, detail: str, sample: int | None = None,
+            sample_id: str | None = None) -> dict[str, Any]:
+    """One finding: shard index, position in the shard (or None), sample id, check name, detail."""
+    return {"shard": shard, "sample": sample, "sample_id": sample_id, "check": check, "detail": detail}
+
+
+def default_cursor(url: str) -> Path:
+    """Default cursor file of a cache URL: ``~/.cache/dspark/verify/<sha256(url)[:16]>.jsonl``."""
+    return Path.home() / ".cache" / "dspark" / "verify" / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}.jsonl"
+
+
+# ---- per-shard checks (pure functions over what was read) -------------------------------------
+
+def object_problems(shard: int, recorded: dict[str, int], actual: dict[str, int]) -> list[dict[str, Any]]:
+    """Objects named in the record that are missing or of another size, and unrecorded objects."""
+    out = []
+    for key, size in sorted(recorded.items()):
+        if key not in actual:
+            out.append(problem(shard, "missing_object", f"object {key} ({size:,} bytes) is missing"))
+        elif actual[key] != size:
+            out.append(problem(shard, "truncated_object", f"object {key} has {actual[key]:,} bytes, "
+                                                          f"its record says {size:,}"))
+    out += [problem(shard, "extra_object", f"object {key} is not in the commit record (a second writer?)")
+            for key in sorted(set(actual) - set(recorded))]
+    return out
+
+
+def array_specs(num_samples: int, num_tokens: int, num_hidden_rows: int, *, feature_width: int,
+                hidden_size: int, feature_dtype: str) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Stored dtype and shape of every array of one shard group, per the schema-1 layout
+    (``cache_schema.layout``): n samples, T tokens, T_sup last-hidden rows, W = L*H, H."""
+    n, t, t_sup = num_samples, num_tokens, num_hidden_rows
+    fp8 = feature_dtype == "fp8_e4m3"
+    out = {INPUT_IDS: (np.int32, (t,)), LOSS_MASK: (np.uint8, (t,)),
+           FEATURES: (np.uint8 if fp8 else np.uint16, (t, feature_width)),
+           LAST_HIDDEN: (np.uint16, (t_sup, hidden_size)), OFFSETS: (np.int64, (n + 1,)),
+           SUP_OFFSETS: (np.int64, (n + 1,)), SOURCE: (np.int32, (n,)), ROW: (np.int64, (n,))}
+    if fp8:
+        out[FEATURE_SCALE] = (np.float32, (t,))
+    return {k: (np.dtype(d), s) for k, (d, s) in out.items()}
+
+
+def structure_problems(shard: int, expected: dict[str, tuple[np.dtype, tuple[int, ...]]],
+                       found: dict[str, tuple[np.dtype, tuple[int, ...]] | None],
+                       attrs: dict[str, Any], num_samples: int) -> list[dict[str, Any]]:
+    """Arrays missing or of the wrong dtype/shape (``found[name]`` None = absent), and per-sample
+    attribute lists of the wrong length."""
+    out = []
+    for name, (dtype, shape) in expected.items():
+        got = found.get(name)
+        if got is None:
+            out.append(problem(shard, "shape", f"array {name} is missing from the group"))
+        elif got != (dtype, shape):
+            out.append(problem(shard, "shape", f"array {name} is {got[0]} {list(got[1])}, expected "
+                                               f"{dtype} {list(shape)}"))
+    for key in (ATTR_SAMPLE_IDS, ATTR_CONTENT_HASHES):
+        if len(attrs.get(key, [])) != num_samples:
+            out.append(problem(shard, "shape", f"group attribute {key} has {len(attrs.get(key, []))} "
+                                               f"entries for {num_samples} samples"))
+    return out
+
+
+def offset_problems(shard: int, offsets: np.ndarray, sup_offsets: np.ndarray, loss_mask: np.ndarray,
+                    record: ShardRecord, ids: list[str]) -> list[dict[str, Any]]:
+    """Offsets that do not start at 0 and end at the record's counts, samples of no tokens, loss
+    masks outside 0/1 or off the record's count, and per-sample last_hidden row counts that differ
+    from ``loss_mask[a+1:b].sum()`` (shapes already checked)."""
+    out = []
+    for name, arr, end in (("offsets", offsets, record.num_tokens), ("sup_offsets", sup_offsets,
+                                                                      record.num_hidden_rows)):
+        if arr[0] != 0 or arr[-1] != end:
+            out.append(problem(shard, "offsets", f"{name} run {arr[0]}..{arr[-1]}, expected 0..{end}"))
+    lengths = np.diff(offsets)
+    out += [problem(shard, "offsets", f"sample has {lengths[k]} tokens (offsets must increase)", int(k), ids[k])
+            for k in np.flatnonzero(lengths < 1)]
+    if out:
+        return out
+    if loss_mask.size and loss_mask.max() > 1:
+        out.append(problem(shard, "offsets", f"loss_mask holds {int(loss_mask.max())}; only 0/1 are allowed"))
+    if int(loss_mask.sum()) != record.num_supervised_tokens:
+        out.append(problem(shard, "offsets", f"loss_mask sums to {int(loss_mask.sum())}, the record "
+                                             f"says {record.num_supervised_tokens} supervised tokens"))
+    csum = np.concatenate([[0], np.cumsum(loss_mask, dtype=np.int64)])
+    need = csum[offsets[1:]] - csum[offsets[:-1] + 1]
+    got = np.diff(sup_offsets)
+    out += [problem(shard, "offsets", f"sample has {got[k]} last_hidden rows, its loss mask needs {need[k]}",
+                    int(k), ids[k]) for k in np.flatnonzero(got != need)]
+    return out
+
+
+def nonfinite_rows(block: np.ndarray, encoding: str | None) -> np.ndarray:
+    """bool per row of ``block``: the row holds NaN or inf once decoded (bf16 bits, fp8 bits, float)."""
+    if encoding == BF16_BITS:
+        values = bits_to_bf16(block)
+    elif encoding == FP8_E4M3_BITS:
+        values = torch.from_numpy(np.ascontiguousarray(block)).view(torch.float8_e4m3fn).float()
+    else:
+        values = torch.from_numpy(np.ascontiguousarray(block))
+    return (~torch.isfinite(values)).reshape(len(block), -1).any(dim=1).numpy()
+
+
+def scan_array(array, offsets: np.ndarray | None, encoding: str | None) -> tuple[str, set[int], int]:
+    """Stream one array in blocks: (SHA-256 of its bytes, positions of samples with a non-finite
+    row when ``offsets`` maps rows to samples, bytes read)."""
+    digest, bad = hashlib.sha256(), set()
+    rows = array.shape[0]
+    row_bytes = max(1, array.dtype.itemsize * int(np.prod(array.shape[1:])))
+    step = max(1, BLOCK_BYTES // row_bytes)
+    for start in range(0, rows, step):
+        block = np.ascontiguousarray(array[start:start + step])
+        digest.update(block.tobytes())
+        if offsets is not None:
+            rows_bad = np.flatnonzero(nonfinite_rows(block, encoding)) + start
+            bad.update(int(k) for k in np.searchsorted(offsets, rows_bad, side="right") - 1)
+    return digest.hexdigest(), bad, rows * row_bytes
+
+
+def content_problems(shard: int, group, record: ShardRecord, ids: list[str],
+                     offsets: np.ndarray, sup_offsets: np.ndarray) -> tuple[list[dict[str, Any]], int]:
+    """Checksums of every recorded array and finiteness per sample; returns (problems, bytes read)."""
+    out, nbytes = [], 0
+    row_map = {FEATURES: offsets, FEATURE_SCALE: offsets, LAST_HIDDEN: sup_offsets}
+    for name, expected in sorted(record.checksums.items()):
+        array = group[name]
+        sha, bad, n = scan_array(array, row_map.get(name), array.attrs.get(ATTR_ENCODING))
+        nbytes += n
+        if sha != expected:
+            out.append(problem(shard, "checksum", f"array {name} does not match its checksum"))
+        out += [problem(shard, "non_finite", f"NaN or inf in {name}", k, ids[k]) for k in sorted(bad)]
+    return out, nbytes
+
+
+# ---- one shard --------------------------------------------------------------------------------
+
+def verify_shard(root: CacheRoot, shard_index: int) -> dict[str, Any]:
+    """Every per-shard check of one committed shard (reads all of it).
+
+    Returns:
+        {shard, record_sha256, problems, ids, provenance [[source, row], ...], samples, tokens,
+        bytes (read)}. Damage is reported in ``problems``, never raised.
+    Raises:
+        OSError and storage errors other than a missing object (e.g. the network), unchanged.
+    """
+    result: dict[str, Any] = {"shard": shard_index, "record_sha256": None, "problems": [], "ids": [],
+                              "provenance": [], "samples": 0, "tokens": 0, "bytes": 0}
+    try:
+        result["record_sha256"] = hashlib.sha256(
+            root.fs.cat_file(f"{root.path}/{commit_key(shard_index)}")).hexdigest()
+        record = root.record(shard_index)
+    except (CorruptRecordError, ShardNotCommittedError, FileNotFoundError) as exc:
+        result["problems"].append(problem(shard_index, "record", str(exc)))
+        return result
+    result.update(samples=record.num_samples, tokens=record.num_tokens)
+    problems = object_problems(shard_index, record.object_bytes, root.shard_objects(shard_index))
+    damaged = bool(problems)
+    try:
+        group = open_group(root, shard_index)
+        attrs = group.attrs.asdict()
+        ids = list(attrs.get(ATTR_SAMPLE_IDS, []))
+        result["ids"] = ids
+        source, row = group[SOURCE][:], group[ROW][:]
+        if len(source) == len(row) == len(ids):
+            result["provenance"] = [[int(s), int(r)] for s, r in zip(source, row)]
+        if not damaged:
+            problems += _read_checks(shard_index, root.fingerprint, record, group, attrs, ids, result)
+    except READ_ERRORS as exc:
+        if not damaged:  # a damaged object already explains a failed read
+            problems.append(problem(shard_index, "unreadable", f"{type(exc).__name__}: {exc}"))
+    result["problems"] = problems
+    return result
+
+
+def _read_checks(shard: int, fp: Fingerprint, record: ShardRecord, group, attrs: dict[str, Any],
+                 ids: list[str], result: dict[str, Any]) -> list[dict[str, Any]]:
+    expected = array_specs(record.num_samples, record.num_tokens, record.num_hidden_rows,
+                           feature_width=fp.feature_width, hidden_size=fp.hidden_size,
+                           feature_dtype=fp.feature_dtype)
+    members = dict(group.arrays())
+    found = {name: (members[name].dtype, tuple(members[name].shape)) if name in members else None
+             for name in expected}
+    out = structure_problems(shard, expected, found, attrs, record.num_samples)
+    encoding = members[FEATURES].attrs.get(ATTR_ENCODING) if FEATURES in members else None
+    want = FP8_E4M3_BITS if fp.feature_dtype == "fp8_e4m3" else BF16_BITS
+    if encoding != want:
+        out.append(problem(shard, "shape", f"features encoding is {encoding!r}, expected {want!r}"))
+    if out:
+        return out
+    offsets, sup_offsets = group[OFFSETS][:], group[SUP_OFFSETS][:]
+    out = offset_problems(shard, offsets, sup_offsets, group[LOSS_MASK][:], record, ids)
+    if out:
+        return out
+    found_problems, result["bytes"] = content_problems(shard, group, record, ids, offsets, sup_offsets)
+    return found_problems
+
+
+# ---- across shards ----------------------------------------------------------------------------
+
+def duplicate_problems(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Sample ids and (source, row) pairs that occur more than once, one problem per occurrence
+    naming the other places."""
+    out = []
+    for check, key, label in (("duplicate_sample_id", "ids", "sample id"),
+                              ("duplicate_provenance", "provenance", "source/row")):
+        places: dict[Any, list[tuple[int, int]]] = defaultdict(list)
+        for shard in sorted(results):
+            for k, value in enumerate(results[shard][key]):
+                places[tuple(value) if isinstance(value, list) else value].append((shard, k))
+        for value, where in places.items():
+            for shard, k in where if len(where) > 1 else []:
+                others = ", ".join(f"shard {s} sample {m}" for s, m in where if (s, m) != (shard, k))
+                ids = results[shard]["ids"]
+                out.append(problem(shard, check, f"{label} {value} also at {others}", k,
+                                   ids[k] if k < len(ids) else None))
+    return out
+
+
+# ---- the cursor -------------------------------------------------------------------------------
+
+def load_cursor(path: Path, header: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Finished shards recorded in ``path`` for this ``header`` (URL + fingerprint); empty when the
+    file is absent or belongs to another cache. Unparseable lines (a torn last write) are dropped."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    parsed = []
+    for line in lines:
+        try:
+            parsed.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    if not parsed or parsed[0] != header:
+        return {}
+    return {entry["shard"]: entry for entry in parsed[1:] if isinstance(entry, dict) and "shard" in entry}
+
+
+def write_cursor(path: Path, header: dict[str, Any], entries: list[dict[str, Any]]) -> None:
+    """Replace the cursor file atomically (temp file + rename) with the header and ``entries``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(e) + "\n" for e in [header, *entries]))
+    os.replace(tmp, path)
+
+
+def record_digests(root: CacheRoot, shards: list[int]) -> dict[int, str]:
+    """SHA-256 of each committed shard's commit record bytes (one batched read)."""
+    paths = {f"{root.path}/{commit_key(i)}": i for i in shards}
+    texts = root.fs.cat(list(paths), on_error="omit") if paths else {}
+    by_name = {p.rsplit("/", 1)[-1]: t for p, t in texts.items()}
+    return {i: hashlib.sha256(by_name[p.rsplit("/", 1)[-1]]).hexdigest()
+            for p, i in paths.items() if p.rsplit("/", 1)[-1] in by_name}
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+def verify(url: str, *, workers: int = 4, cursor: str | None = None, restart: bool = False,
+           progress: bool = True) -> tuple[dict[str, Any], int]:
+    """Verify every committed shard; resume from the cursor unless ``restart``.
+
+    Args:
+        workers: threads verifying shards at once (>= 1).
+        cursor: cursor file path (default :func:`default_cursor`); restart: ignore and rewrite it.
+        progress: show a progress bar (on a terminal).
+    Returns:
+        (report, 1 when problems were found else 0). The report lists problems by shard.
+    Raises:
+        UsageError: workers < 1, or the cursor cannot be written.
+        VerifyInterrupted: Ctrl-C; rerunning continues from the cursor.
+    """
+    from tqdm import tqdm
+
+    from ops.inspect import UsageError
+
+    if workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {workers}")
+    root = open_root(url)
+    shards = root.committed_shards()
+    digests = record_digests(root, shards)
+    path = Path(cursor).expanduser() if cursor else default_cursor(root.url)
+    header = {"cursor_version": CURSOR_VERSION, "url": root.url, "fingerprint_sha256": root.fingerprint.digest()}
+    done = {} if restart else load_cursor(path, header)
+    done = {i: e for i, e in done.items() if e.get("record_sha256") == digests.get(i)}
+    try:
+        write_cursor(path, header, [done[i] for i in sorted(done)])
+    except OSError as exc:
+        raise UsageError(f"cannot write the verify cursor {path} ({exc}); pass --cursor PATH") from None
+    resumed, pending = len(done), [i for i in shards if i not in done]
+    nbytes, found = 0, sum(len(e["problems"]) for e in done.values())
+    with tqdm(total=len(shards), initial=resumed, unit="shard", desc="verify",
+              disable=None if progress else True) as bar, path.open("a") as log, \
+            ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(verify_shard, root, i) for i in pending]
+        try:
+            for future in as_completed(futures):
+                entry = future.result()
+                log.write(json.dumps(entry) + "\n")
+                log.flush()
+                os.fsync(log.fileno())
+                done[entry["shard"]] = entry
+                nbytes, found = nbytes + entry["bytes"], found + len(entry["problems"])
+                bar.update(1)
+                bar.set_postfix(problems=found)
+        except KeyboardInterrupt:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise VerifyInterrupted(f"interrupted after {len(done):,} of {len(shards):,} shards; rerun the "
+                                    f"same command to continue (progress in {path}), or pass --restart") from None
+    problems = [p for i in sorted(done) for p in done[i]["problems"]] + duplicate_problems(done)
+    path.unlink(missing_ok=True)
+    bad = sorted({p["shard"] for p in problems})
+    return {"url": root.url, "shards": len(shards), "verified_now": len(pending), "resumed": resumed,
+            "samples": sum(e["samples"] for e in done.values()), "bytes_read_now": nbytes,
+            "shards_with_problems": bad, "problems": problems, "ok": not problems}, int(bool(problems))
+
+
+def render_verify(p: dict[str, Any]) -> str:
+    """Human view of :func:`verify`."""
+    head = (f"verified {p['shards']:,} shards ({p['verified_now']:,} now, {p['resumed']:,} from the cursor), "
+            f"{p['samples']:,} samples")
+    if p["ok"]:
+        return f"{head}: no problems"
+    return "\n".join([table(p["problems"], ["shard", "sample", "sample_id", "check", "detail"]),
+                      f"{head}: {len(p['problems']):,} problems in shards {preview(p['shards_with_problems'])}"])
