@@ -29,6 +29,8 @@ Public API::
 
     estimate_cache_bytes(num_tokens, *, hidden_size, num_target_layers, feature_dtype="bf16",
                          supervised_fraction=1.0, num_samples=0) -> SizeEstimate
+    shard_overhead_bytes(*, hidden_size, target_layer_ids, feature_dtype, storage) -> int
+                                                       zarr metadata bytes of one shard, to add per shard
 
 Errors (all subclass CacheError) live in ``cache_schema.errors``.
 One writer per shard: the pipeline guarantees it; the library only detects a collision at commit.
@@ -39,7 +41,7 @@ from cache_schema.errors import (CacheError, CacheNotFoundError, ChecksumMismatc
                                  MissingObjectError, NonFiniteSampleError, SchemaVersionError,
                                  ShardAlreadyCommittedError, ShardNotCommittedError,
                                  TruncatedObjectError)
-from cache_schema.estimate import SizeEstimate, estimate_cache_bytes
+from cache_schema.estimate import SizeEstimate, estimate_cache_bytes, shard_overhead_bytes
 from cache_schema.fingerprint import Fingerprint, tensor_sha256
 from cache_schema.layout import SCHEMA_VERSION, CacheSample, ShardRecord, StorageConfig
 from cache_schema.reader import CacheReader
@@ -47,7 +49,7 @@ from cache_schema.writer import CacheRoot, open_cache
 
 __all__ = [
     "SCHEMA_VERSION", "CacheSample", "ShardRecord", "StorageConfig", "Fingerprint", "tensor_sha256",
-    "open_cache", "CacheRoot", "CacheReader", "SizeEstimate", "estimate_cache_bytes",
+    "open_cache", "CacheRoot", "CacheReader", "SizeEstimate", "estimate_cache_bytes", "shard_overhead_bytes",
     "CacheError", "CacheNotFoundError", "ChecksumMismatchError", "CorruptRecordError",
     "FingerprintMismatchError", "InvalidFingerprintError", "InvalidRecordError", "InvalidSampleError",
     "InvalidStorageConfigError", "MissingObjectError", "NonFiniteSampleError", "SchemaVersionError",

@@ -63,3 +63,22 @@ def estimate_cache_bytes(num_tokens: int, *, hidden_size: int, num_target_layers
     per_token = _PER_TOKEN_FIXED + features + supervised_fraction * _BF16 * hidden_size
     return SizeEstimate(bytes_per_token=per_token,
                         total_bytes=math.ceil(num_tokens * per_token + num_samples * _PER_SAMPLE))
+
+
+def shard_overhead_bytes(*, hidden_size: int, target_layer_ids: tuple[int, ...], feature_dtype: str = "bf16",
+                         storage=None) -> int:
+    """Bytes of one empty committed shard group (the zarr metadata every shard carries), measured by
+    writing one to an in-memory filesystem; add it once per shard to :func:`estimate_cache_bytes`."""
+    import uuid
+
+    from cache_schema.fingerprint import Fingerprint
+    from cache_schema.writer import open_cache
+
+    fp = Fingerprint(target={"hidden_size": hidden_size}, embed_hash="", lm_head_hash="", tokenizer_hash="",
+                     chat_template_hash="", target_layer_ids=tuple(target_layer_ids), feature_dtype=feature_dtype,
+                     max_length=1, min_loss_tokens=0)
+    root = open_cache(f"memory://estimate-{uuid.uuid4().hex}", fp, storage=storage)
+    try:
+        return root.write_shard(0, [], writer_id="estimate").total_bytes
+    finally:
+        root.fs.rm(root.path, recursive=True)

@@ -14,7 +14,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
-from cache_schema import StorageConfig, estimate_cache_bytes
+from cache_schema import StorageConfig, estimate_cache_bytes, shard_overhead_bytes
 from ops.report import human_bytes, key_values, table
 from ops.verify import array_specs
 
@@ -84,6 +84,8 @@ def estimate(config: str, overrides: list[str], *, workers: int = 1,
     hidden_rows = sum(c["hidden_rows"] for c in counts)
     est = estimate_cache_bytes(tokens, hidden_size=hidden, num_target_layers=layers, feature_dtype=dtype,
                                supervised_fraction=hidden_rows / max(tokens, 1), num_samples=samples)
+    total = est.total_bytes + len(counts) * shard_overhead_bytes(
+        hidden_size=hidden, target_layer_ids=tuple(cfg.target.target_layer_ids), feature_dtype=dtype, storage=storage)
     objects = ROOT_OBJECTS + sum(c["quarantined"] for c in counts) + sum(
         shard_objects(c["samples"], c["tokens"], c["hidden_rows"], feature_width=layers * hidden,
                       hidden_size=hidden, feature_dtype=dtype, storage=storage) for c in counts)
@@ -93,8 +95,8 @@ def estimate(config: str, overrides: list[str], *, workers: int = 1,
                "storage": asdict(storage), "shards": len(counts), "rows": sum(c["rows"] for c in counts),
                "samples": samples, "tokens": tokens, "supervised_tokens": sum(c["supervised"] for c in counts),
                "hidden_rows": hidden_rows, "skipped_rows": dict(sorted(skipped.skipped.items())),
-               "bytes": est.total_bytes, "bytes_per_token": round(est.bytes_per_token, 2), "objects": objects,
-               "budget_bytes": budget, "over_budget": budget is not None and est.total_bytes > budget}
+               "bytes": total, "bytes_per_token": round(est.bytes_per_token, 2), "objects": objects,
+               "budget_bytes": budget, "over_budget": budget is not None and total > budget}
     return payload, int(payload["over_budget"])
 
 
@@ -107,8 +109,7 @@ def render_estimate(p: dict[str, Any]) -> str:
                                           f"{p['target_layer_ids']}, features {p['feature_dtype']})"),
         ("shards", p["shards"]), ("input rows", p["rows"]), ("samples", p["samples"]), ("tokens", p["tokens"]),
         ("supervised tokens", p["supervised_tokens"]),
-        ("bytes", f"{p['bytes']:,} ({human_bytes(p['bytes'])}) of arrays; "
-                  "zarr metadata adds ~1 KiB per array per shard"),
+        ("bytes", f"{p['bytes']:,} ({human_bytes(p['bytes'])}), arrays and per-shard zarr metadata"),
         ("bytes/token", p["bytes_per_token"]),
         ("objects", p["objects"]), ("budget", budget)]), "", "skipped rows:",
         table([{"reason": k, "rows": v} for k, v in p["skipped_rows"].items()], ["reason", "rows"])])

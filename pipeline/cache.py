@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from cache_schema import CacheSample, Fingerprint, StorageConfig, estimate_cache_bytes, open_cache, tensor_sha256
+from cache_schema import (CacheSample, Fingerprint, StorageConfig, estimate_cache_bytes, open_cache,
+                          shard_overhead_bytes, tensor_sha256)
 from cache_schema.layout import shard_name
 from pipeline.chats import BadRow, RowCounts, RowError, ShardSpan, iter_chats, plan_spans
 from pipeline.config import RunConfig
@@ -250,13 +251,16 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
         est = estimate_cache_bytes(tokens, hidden_size=fp.hidden_size, num_target_layers=len(fp.target_layer_ids),
                                    feature_dtype=fp.feature_dtype, num_samples=sum(c["num_samples"] for c in counts),
                                    supervised_fraction=sum(c["num_hidden_rows"] for c in counts) / max(tokens, 1))
-        run["estimate_bytes"] = est.total_bytes
+        total = est.total_bytes + len(pending) * shard_overhead_bytes(
+            hidden_size=fp.hidden_size, target_layer_ids=fp.target_layer_ids, feature_dtype=fp.feature_dtype,
+            storage=storage)
+        run["estimate_bytes"] = total
         print(f"cache: {len(pending)} shards, {tokens:,} tokens to prefill; estimated "
-              f"{est.total_bytes / 2**20:,.1f} MiB at {est.bytes_per_token:,.0f} bytes/token", flush=True)
+              f"{total / 2**20:,.1f} MiB at {est.bytes_per_token:,.0f} bytes/token of arrays", flush=True)
         budget = cfg.cache.storage_budget_bytes
-        if budget is not None and est.total_bytes > budget:
+        if budget is not None and total > budget:
             raise StorageBudgetError(
-                f"the cache needs about {est.total_bytes:,} bytes, above cache.storage_budget_bytes="
+                f"the cache needs about {total:,} bytes, above cache.storage_budget_bytes="
                 f"{budget:,}; raise the budget, use cache.feature_dtype=fp8_e4m3, or cache fewer rows "
                 "(cache.max_rows)")
         writers = rendered.map(ShardPrefillWriter, fn_constructor_args=(cfg, root_url, fp, storage),

@@ -36,6 +36,7 @@ def test_cache_stage_counts_quarantine_and_resume(ray_local, tiny_target_dir, sh
     assert len(plan(cfg)) == 8  # 21 + 6 lines in spans of 4 rows
     s = run_cache(cfg)
     assert s["shards"] == 8 and s["shards_written"] == 8
+    assert abs(s["bytes"] - s["estimate_bytes"]) <= 0.05 * s["bytes"]  # the estimate printed before prefill
     assert s["samples"] == 13  # o1 o2 o3 o4 o13 o14 o16 o18 o20 + s1 s2 s3 s6 (o19 too long at 512)
     assert s["skipped_rows"] == {"bad_type": 1, "empty_answer": 2, "empty_conversation": 1, "invalid_json": 1,
                                  "invalid_utf8": 1, "no_answer": 1, "no_supervised_tokens": 1,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from cache_schema import CacheSample, Fingerprint, StorageConfig, estimate_cache_bytes, open_cache
+from cache_schema import CacheSample, Fingerprint, StorageConfig, estimate_cache_bytes, shard_overhead_bytes, open_cache
 from cache_schema.layout import commit_key
 from ops.__main__ import main
 from ops.estimate import shard_objects
@@ -324,7 +324,8 @@ def test_estimate_renders_the_shared_cases_like_the_cache_stage(tiny_target_dir,
     assert sum(p["skipped_rows"].values()) == 13 and p["skipped_rows"]["unknown_role"] == 2
     est = estimate_cache_bytes(p["tokens"], hidden_size=64, num_target_layers=3, num_samples=13,
                                supervised_fraction=p["hidden_rows"] / p["tokens"])
-    assert p["bytes"] == est.total_bytes and p["tokens"] > 13 * 10
+    overhead = shard_overhead_bytes(hidden_size=64, target_layer_ids=(0, 1, 2))
+    assert p["bytes"] == est.total_bytes + 8 * overhead and p["tokens"] > 13 * 10
     # fingerprint + summary; 6 shards with skipped rows have a quarantine file; 6 shards with samples hold a
     # group zarr.json, a commit record and 8 arrays of (zarr.json + one object); 2 shards whose rows were
     # all skipped (rows 4-11 of openai.jsonl) hold data objects only for offsets and sup_offsets
