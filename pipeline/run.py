@@ -126,6 +126,13 @@ def run_stages(cfg: RunConfig) -> dict[str, dict[str, Any]]:
         write_json(join(cfg.run_dir, name, "summary.json"), summary)
         summaries[name] = summary
         log.info("stage %s: done in %.1f s", name, summary["seconds"])
+    if cfg.stage == Stage.all and summaries:
+        from pipeline.eval_report import write_text
+        from pipeline.results import results_table
+
+        table = results_table(cfg.run_dir, summaries)
+        write_text(join(cfg.run_dir, "results.md"), table)
+        print("\n" + table, flush=True)
     return summaries
 
 

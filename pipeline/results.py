@@ -1,0 +1,45 @@
+"""The one-screen results of a run, composed from the stages' summaries (printed after ``all``)."""
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.storage import join, read_json
+
+
+def _read(url: str) -> dict[str, Any] | None:
+    try:
+        return read_json(url)
+    except FileNotFoundError:
+        return None
+
+
+def results_table(run_dir: str, stages: dict[str, dict[str, Any]]) -> str:
+    """Markdown: tau per drafter at each temperature with the DSpark/DFlash ratio, ECE before/after
+    STS per position, cache bytes per token, and every stage's time."""
+    lines = [f"# Results of {run_dir}", ""]
+    ev = stages.get("evaluate") or _read(join(run_dir, "evaluate", "summary.json"))
+    if ev:
+        temps = list(ev["results"])
+        names = sorted({n for r in ev["results"].values() for n in r["drafters"]})
+        lines += ["| drafter | " + " | ".join(f"tau {t}" for t in temps) + " |", "|---|" + "---|" * len(temps)]
+        for n in names:
+            cells = [f"{ev['results'][t]['drafters'][n]['overall']['tau']:.3f}" for t in temps]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        if {"dspark", "dflash"} <= set(names):
+            ratio = [ev["results"][t]["drafters"]["dspark"]["overall"]["tau"]
+                     / ev["results"][t]["drafters"]["dflash"]["overall"]["tau"] for t in temps]
+            lines.append("| DSpark / DFlash | " + " | ".join(f"{r:.3f}" for r in ratio) + " |")
+        lines.append("")
+    for name in sorted((stages.get("train") or {}).get("drafters", {})):
+        rep = _read(join(run_dir, "calibrate", name, "report.json"))
+        if rep:
+            before = " ".join(f"{p['before']['ece']:.3f}" for p in rep["positions"] if p["before"]["ece"] is not None)
+            after = " ".join(f"{p['after']['ece']:.3f}" for p in rep["positions"] if p["after"]["ece"] is not None)
+            lines.append(f"ECE of survival per position, {name}: before STS [{before}], after [{after}]")
+    cache = stages.get("cache") or _read(join(run_dir, "cache", "summary.json"))
+    if cache:
+        lines.append(f"cache: {cache['samples']:,} samples, {cache['tokens']:,} tokens, "
+                     f"{cache['bytes_per_token']:,.1f} bytes/token")
+    lines += ["", "| stage | seconds |", "|---|---|"]
+    lines += [f"| {name} | {s.get('seconds', 0):.1f} |" for name, s in stages.items()]
+    return "\n".join(lines) + "\n"
