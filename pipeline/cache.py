@@ -28,7 +28,7 @@ from pipeline.chats import BadRow, RowCounts, RowError, ShardSpan, iter_chats, p
 from pipeline.config import RunConfig
 from pipeline.errors import PipelineError
 from pipeline.render import render_chat, render_options
-from pipeline.storage import filesystem, join
+from pipeline.storage import filesystem, join, resolve_input
 
 log = logging.getLogger("pipeline.cache")
 
@@ -52,18 +52,10 @@ def input_files(cfg: RunConfig) -> list[str]:
             raise PipelineError("generate.enabled=true but this build has no generate stage; set "
                                 "generate.enabled=false to cache data.train_files as they are") from None
         return generated_files(cfg)
-    files = [_resolve(f) for f in cfg.data.train_files]
+    files = [resolve_input(f) for f in cfg.data.train_files]
     if not files:
         raise PipelineError("data.train_files is empty: list the chat files (JSONL or Parquet) to cache")
     return files
-
-
-def _resolve(url: str) -> str:
-    if url.startswith("embedded:"):
-        from pipeline.embedded import resolve_embedded
-
-        return resolve_embedded(url)
-    return url
 
 
 def target_fingerprint(cfg: RunConfig, tokenizer, local_dir: str, model_config) -> Fingerprint:

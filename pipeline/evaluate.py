@@ -17,16 +17,14 @@ from pipeline.chats import Chat, iter_chats
 from pipeline.config import RunConfig
 from pipeline.render import render_options, render_prompt
 from pipeline.speculate import Decoded, full_block, plain_decode, speculative_decode, threshold_policy
-from pipeline.storage import join, read_json
+from pipeline.storage import join, read_json, resolve_input
 
 
 def eval_prompts(cfg: RunConfig, tokenizer) -> list[tuple[str, list[int]]]:
     """``(task, prompt ids)`` for the first ``evaluate.num_prompts`` usable rows of the eval files;
     the task is the file's name without extension."""
-    from pipeline.cache import _resolve
-
     out: list[tuple[str, list[int]]] = []
-    for source, url in enumerate(_resolve(f) for f in cfg.data.eval_files):
+    for source, url in enumerate(resolve_input(f) for f in cfg.data.eval_files):
         task = url.rsplit("/", 1)[-1].split(".")[0]
         for item in iter_chats(url, source, require_answer=False):
             if len(out) >= cfg.evaluate.num_prompts:

@@ -31,7 +31,7 @@ from pipeline.config import RunConfig
 from pipeline.engines import GenerationEngine, SamplingSpec
 from pipeline.errors import PipelineError
 from pipeline.render import render_options, render_prompt
-from pipeline.storage import filesystem, join
+from pipeline.storage import filesystem, join, resolve_input
 
 log = logging.getLogger("pipeline.generate")
 
@@ -60,14 +60,6 @@ def _name(shard: int) -> str:
     return f"shard-{shard:06d}"
 
 
-def _resolve(url: str) -> str:
-    if url.startswith("embedded:"):
-        from pipeline.embedded import resolve_embedded
-
-        return resolve_embedded(url)
-    return url
-
-
 def plan(cfg: RunConfig) -> list[tuple[int, ShardSpan]]:
     """All shards as ``(shard index, span)``: spans of ``generate.rows_per_shard`` input rows of
     ``data.train_files``, numbered across files in order; ``generate.max_rows`` keeps a prefix of
@@ -76,7 +68,7 @@ def plan(cfg: RunConfig) -> list[tuple[int, ShardSpan]]:
     Raises:
         PipelineError: no input files; BadInputFileError: a missing or unreadable file.
     """
-    files = [_resolve(f) for f in cfg.data.train_files]
+    files = [resolve_input(f) for f in cfg.data.train_files]
     if not files:
         raise PipelineError("data.train_files is empty: list the prompt/chat files (JSONL or Parquet) to generate from")
     if cfg.generate.rows_per_shard < 1:

@@ -38,3 +38,13 @@ def read_json(url: str) -> Any:
     fs, path = filesystem(url)
     with fs.open(path, "r") as f:
         return json.load(f)
+
+
+def resolve_input(url: str) -> str:
+    """``embedded:...`` names (the built-in demo target and data) to local paths, built on first
+    use; any other URL unchanged."""
+    if url.startswith("embedded:"):
+        from pipeline.embedded import resolve_embedded
+
+        return resolve_embedded(url)
+    return url
