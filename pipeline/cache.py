@@ -24,7 +24,7 @@ import numpy as np
 from cache_schema import (CacheSample, Fingerprint, StorageConfig, estimate_cache_bytes, open_cache,
                           shard_overhead_bytes, tensor_sha256)
 from cache_schema.layout import shard_name
-from pipeline.chats import BadRow, RowCounts, RowError, ShardSpan, iter_chats, plan_spans
+from pipeline.chats import BadRow, RowCounts, RowError, ShardSpan, iter_chats, plan_shards
 from pipeline.config import RunConfig
 from pipeline.errors import PipelineError
 from pipeline.render import render_chat, render_options
@@ -188,18 +188,7 @@ class ShardPrefillWriter:
 
 def plan(cfg: RunConfig) -> list[tuple[int, ShardSpan]]:
     """All shards of the run as ``(shard index, span)``, numbered across files in input order."""
-    spans = []
-    for source, url in enumerate(input_files(cfg)):
-        spans += plan_spans(url, source, cfg.cache.rows_per_shard)
-    if cfg.cache.max_rows is not None:  # a prefix of the inputs, still in whole spans
-        kept, rows = [], 0
-        for s in spans:
-            if rows >= cfg.cache.max_rows:
-                break
-            kept.append(s)
-            rows += s.row_end - s.row_start
-        spans = kept
-    return list(enumerate(spans))
+    return plan_shards(input_files(cfg), cfg.cache.rows_per_shard, cfg.cache.max_rows)
 
 
 def storage_config(cfg: RunConfig) -> StorageConfig:

@@ -284,3 +284,25 @@ class RowCounts:
         self.kept += other.kept
         for k, v in other.skipped.items():
             self.skipped[k] = self.skipped.get(k, 0) + v
+
+
+def plan_shards(files: list[str], rows_per_shard: int, max_rows: int | None = None) -> list[tuple[int, ShardSpan]]:
+    """Every shard of a stage as ``(shard index, span)``: spans of ``rows_per_shard`` rows, numbered
+    across ``files`` in order; ``max_rows`` keeps a prefix of whole spans holding at least that many
+    rows.
+
+    Raises:
+        BadInputFileError: a missing, unreadable or unknown-format file.
+    """
+    spans: list[ShardSpan] = []
+    for source, url in enumerate(files):
+        spans += plan_spans(url, source, rows_per_shard)
+    if max_rows is not None:
+        kept, rows = [], 0
+        for s in spans:
+            if rows >= max_rows:
+                break
+            kept.append(s)
+            rows += s.row_end - s.row_start
+        spans = kept
+    return list(enumerate(spans))

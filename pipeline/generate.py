@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from pipeline.chats import REASONS, BadRow, Chat, RowError, ShardSpan, iter_chats, plan_spans
+from pipeline.chats import REASONS, BadRow, Chat, RowError, ShardSpan, iter_chats, plan_shards
 from pipeline.config import RunConfig
 from pipeline.engines import GenerationEngine, SamplingSpec
 from pipeline.errors import PipelineError
@@ -73,18 +73,7 @@ def plan(cfg: RunConfig) -> list[tuple[int, ShardSpan]]:
         raise PipelineError("data.train_files is empty: list the prompt/chat files (JSONL or Parquet) to generate from")
     if cfg.generate.rows_per_shard < 1:
         raise PipelineError(f"generate.rows_per_shard must be >= 1 (got {cfg.generate.rows_per_shard})")
-    spans: list[ShardSpan] = []
-    for source, url in enumerate(files):
-        spans += plan_spans(url, source, cfg.generate.rows_per_shard)
-    if cfg.generate.max_rows is not None:
-        kept, rows = [], 0
-        for s in spans:
-            if rows >= cfg.generate.max_rows:
-                break
-            kept.append(s)
-            rows += s.row_end - s.row_start
-        spans = kept
-    return list(enumerate(spans))
+    return plan_shards(files, cfg.generate.rows_per_shard, cfg.generate.max_rows)
 
 
 def sampling_record(cfg: RunConfig) -> dict[str, Any]:
