@@ -106,3 +106,26 @@ def test_parquet_rows_and_bad_file(tmp_path):
     csv.write_text("a,b\n")
     with pytest.raises(BadInputFileError, match="unknown input format"):
         list(iter_chats(str(csv), 0))
+
+
+def test_spans_cover_every_row_once(shared_cases, tmp_path):
+    """Shard spans (byte-seeking JSONL reader, row-group Parquet reader) give exactly the rows of a
+    whole-file read, in order, for any span size."""
+    from pipeline.chats import plan_shards, plan_spans
+
+    url = str(shared_cases / "chats" / "openai.jsonl")
+    whole = [(r.row, type(r).__name__) for r in iter_chats(url, 0)]
+    for n in (1, 4, 7, 100):
+        spans = plan_spans(url, 0, n)
+        assert [s.row_start for s in spans] == list(range(0, 21, n))
+        got = [(r.row, type(r).__name__) for s in spans for r in iter_chats(url, 0, span=s)]
+        assert got == whole
+    table = pa.table({"messages": [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+                                   for i in range(23)]})
+    pq.write_table(table, tmp_path / "c.parquet", row_group_size=5)
+    purl = str(tmp_path / "c.parquet")
+    spans = plan_spans(purl, 1, 4)
+    rows = [r.row for s in spans for r in iter_chats(purl, 1, span=s)]
+    assert rows == list(range(23)) and len(spans) == 6
+    plan = plan_shards([url, purl], 8, max_rows=30)
+    assert [(i, s.source, s.row_start) for i, s in plan] == [(0, 0, 0), (1, 0, 8), (2, 0, 16), (3, 1, 0)]
