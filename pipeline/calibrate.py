@@ -1,0 +1,200 @@
+"""Calibrate stage: sequential temperature scaling (STS) of each drafter's confidence head.
+
+For every trained drafter with a confidence head, the drafter runs over the **held-out** cache
+shards (``training.data.split_shards``: the last ``train.heldout_shards`` non-empty shards) with
+blocks at anchors drawn from a fixed seed, exactly as in training (teacher forcing). Each block
+gives, per predicting position k = 1..gamma, the confidence logit ``z_k`` and the label ``c*_k =
+1 - 0.5 ||p_d - p_t||_1`` (the expected acceptance of that slot given an accepted prefix, DSpark
+sec. 3.3), valid on the block's supervised prefix. :func:`training.sts.fit_temperatures` then fits
+``T_1..T_gamma`` left to right (DSpark sec. 3.2.1, STS), minimising the equal-width-bin ECE of the
+survival ``a_k = prod_{i<=k} sigmoid(z_i / T_i)`` against ``prod_{i<=k} c*_i``.
+
+Outputs under ``<run_dir>/calibrate/<drafter>/``: ``report.json`` (temperatures; ECE, Brier and AUC
+per position before and after), ``reliability.png`` and ``confidence.safetensors`` (the ``z``, ``y``,
+``valid`` arrays, so that the export stage can report the ECE of the confidence as vLLM sees it).
+Realised 0/1 prefix-survival labels come from live decoding (the evaluate stage), not from the cache.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeline.config import RunConfig
+from pipeline.storage import filesystem, join, write_json
+
+log = logging.getLogger("pipeline.calibrate")
+
+__all__ = ["ConfidenceSet", "collect_confidence", "calibrate_drafter", "save_confidence",
+           "load_confidence", "run_calibrate"]
+
+LABEL_KIND = "expected_acceptance"  # c*_k = 1 - 0.5 ||p_d - p_t||_1 from the cached target states
+
+
+@dataclass
+class ConfidenceSet:
+    """Per-block confidence logits and labels of one drafter on held-out data.
+
+    Attributes:
+        z: [N, gamma] float32 confidence logits (0 where not valid).
+        y: [N, gamma] float32 labels ``c*_k`` in [0, 1] (0 where not valid).
+        valid: [N, gamma] bool, each block's supervised prefix (blocks with no valid slot dropped).
+    """
+
+    z: torch.Tensor
+    y: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks N (rows)."""
+        return self.z.shape[0]
+
+
+def collect_confidence(model, batches: Iterable[Sequence[Mapping[str, torch.Tensor]]], loss_cfg, *,
+                       seed: int) -> ConfidenceSet:
+    """Run a drafter over cache samples and arrange its confidence logits and ``c*`` labels per block.
+
+    Anchors are drawn as in training (``model.make_blocks``, ``config.num_anchors`` per sample) from a
+    generator seeded with ``seed + i`` for the i-th batch, so the set is a pure function of
+    (weights, samples, seed).
+
+    Args:
+        model: a :class:`training.drafter.Drafter` with a confidence head (eval mode is set here).
+        batches: lists of cache sample mappings (``training.data.as_mapping``).
+        loss_cfg: :class:`training.losses.LossConfig` (only ``chunk_size`` matters for ``c*``).
+        seed: anchor seed.
+    Returns:
+        :class:`ConfidenceSet` with ``gamma = model.config.block_size`` columns.
+    Raises:
+        ValueError: the drafter has no confidence head, or the batches hold no supervised block.
+    """
+    from training.blocks import collate_samples
+
+    if model.confidence_head is None:
+        raise ValueError("this drafter has no confidence head: nothing to calibrate (set "
+                         "train.drafters.<name>.confidence_head=true and retrain)")
+    gamma = model.config.block_size
+    zs, ys, vs = [], [], []
+    model.eval()
+    with torch.no_grad():
+        for i, samples in enumerate(batches):
+            batch = collate_samples(samples)
+            blocks = model.make_blocks(batch, torch.Generator().manual_seed(seed + i))
+            slots = model(batch, blocks)
+            out = model.loss(slots, loss_cfg)
+            z = torch.zeros(slots.num_blocks, gamma)
+            y = torch.zeros(slots.num_blocks, gamma)
+            valid = torch.zeros(slots.num_blocks, gamma, dtype=torch.bool)
+            z[slots.block, slots.slot] = slots.confidence_logits.float()
+            y[slots.block, slots.slot] = out.c_star.float()
+            valid[slots.block, slots.slot] = True
+            keep = valid[:, 0]
+            zs.append(z[keep])
+            ys.append(y[keep])
+            vs.append(valid[keep])
+    if not zs or sum(v.shape[0] for v in vs) == 0:
+        raise ValueError("the held-out samples hold no supervised block: cache more rows or raise "
+                         "train.heldout_shards")
+    return ConfidenceSet(torch.cat(zs), torch.cat(ys), torch.cat(vs))
+
+
+def calibrate_drafter(data: ConfidenceSet, *, n_bins: int, grid_step: float) -> dict[str, Any]:
+    """Fit STS temperatures on ``data`` and build the calibration report (DSpark sec. 3.2.1).
+
+    Args:
+        data: confidence logits, labels and prefix mask. n_bins: ECE bins. grid_step: coarse search
+            step for each ``T_k`` (refined tenfold around the best point).
+    Returns:
+        :func:`training.sts.calibration_report` plus ``num_blocks`` and ``label``
+        (``"expected_acceptance"``).
+    Raises:
+        ValueError: as :func:`training.sts.fit_temperatures`.
+    """
+    from training.sts import calibration_report, fit_temperatures
+
+    T = fit_temperatures(data.z, data.y, data.valid, n_bins=n_bins, grid_step=grid_step)
+    report = calibration_report(data.z, data.y, data.valid, T, n_bins=n_bins)
+    return {**report, "num_blocks": data.num_blocks, "label": LABEL_KIND}
+
+
+def save_confidence(url: str, data: ConfidenceSet) -> None:
+    """Write ``z``, ``y``, ``valid`` (uint8) to a safetensors file at ``url`` (any fsspec URL)."""
+    from safetensors.torch import save
+
+    fs, path = filesystem(url)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, save({"z": data.z.contiguous(), "y": data.y.contiguous(),
+                             "valid": data.valid.to(torch.uint8).contiguous()}))
+
+
+def load_confidence(url: str) -> ConfidenceSet:
+    """Read what :func:`save_confidence` wrote. Raises FileNotFoundError if absent."""
+    from safetensors.torch import load
+
+    fs, path = filesystem(url)
+    t = load(fs.cat_file(path))
+    return ConfidenceSet(t["z"], t["y"], t["valid"].bool())
+
+
+def _heldout_batches(reader, shards: Sequence[int], micro_batch: int):
+    from training.data import as_mapping
+
+    batch = []
+    for sample in reader.iter_samples(shards):
+        batch.append(as_mapping(sample))
+        if len(batch) == micro_batch:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
+    """``+stage=calibrate``: STS for every trained drafter that has a confidence head.
+
+    Returns:
+        ``{"heldout_shards": [...], "drafters": {name: {"temperatures", "num_blocks", "ece_before",
+        "ece_after"} | {"skipped": reason}}}`` with ECE lists per position (None where undefined).
+    Raises:
+        FingerprintMismatchError: the cache does not fit the config.
+        FileNotFoundError: a drafter has no committed checkpoint (run the train stage).
+    """
+    from cache_schema import CacheReader
+    from pipeline.cache import cache_url
+    from pipeline.target import resolve_target_path
+    from pipeline.train import expected_fingerprint
+    from training.data import split_shards
+    from training.loop import load_trained_drafter
+    from training.losses import LossConfig
+    from training.sts import plot_reliability
+
+    target_dir = resolve_target_path(cfg.target.path)
+    reader = CacheReader(cache_url(cfg), expected_fingerprint(cfg, target_dir))
+    split = split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards)
+    loss_cfg = LossConfig(ce_weight=cfg.train.loss_ce, tv_weight=cfg.train.loss_tv,
+                          confidence_weight=cfg.train.loss_conf, decay_lambda=cfg.train.decay_lambda)
+    summary: dict[str, Any] = {"heldout_shards": list(split.heldout), "drafters": {}}
+    for name, spec in cfg.train.drafters.items():
+        if not spec.confidence_head:
+            summary["drafters"][name] = {"skipped": "no confidence head"}
+            continue
+        model = load_trained_drafter(cfg, name, target_dir)
+        data = collect_confidence(model, _heldout_batches(reader, split.heldout, cfg.train.micro_batch_samples),
+                                  loss_cfg, seed=cfg.train.seed)
+        report = calibrate_drafter(data, n_bins=cfg.calibrate.bins, grid_step=cfg.calibrate.grid_step)
+        out = join(cfg.run_dir, "calibrate", name)
+        write_json(join(out, "report.json"), report)
+        save_confidence(join(out, "confidence.safetensors"), data)
+        plot_reliability(join(out, "reliability.png"), data.z, data.y, data.valid, report["temperatures"],
+                         n_bins=cfg.calibrate.bins)
+        pos = report["positions"]
+        summary["drafters"][name] = {
+            "temperatures": report["temperatures"], "num_blocks": data.num_blocks,
+            "ece_before": [p["before"]["ece"] for p in pos], "ece_after": [p["after"]["ece"] for p in pos]}
+        log.info("calibrate %s: %d blocks, T=%s", name, data.num_blocks,
+                 [round(t, 3) for t in report["temperatures"]])
+    return summary

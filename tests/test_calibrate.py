@@ -1,0 +1,150 @@
+"""Calibrate stage: per-block confidence/c* collection, STS wiring, and the stage end to end."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pipeline.calibrate import (ConfidenceSet, calibrate_drafter, collect_confidence, load_confidence,
+                                save_confidence)
+from pipeline.prefill import TargetPrefill
+from pipeline.target import load_shared_weights
+from training.blocks import collate_samples
+from training.drafter import Drafter, DrafterConfig
+from training.losses import LossConfig
+
+IDS = [0, 2]
+
+
+@pytest.fixture(scope="module")
+def held_out(tiny_target_dir):
+    """Five cache-like samples prefilled by the tiny target (features of layers 0 and 2)."""
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir, local_files_only=True).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 512, (n,), generator=g).numpy() for n in (30, 41, 25, 36, 33)]
+    masks = [np.r_[np.zeros(6, np.uint8), np.ones(len(x) - 6, np.uint8)] for x in ids]
+    outs = TargetPrefill(target, IDS)(ids, masks)
+    return [{"input_ids": torch.as_tensor(x), "loss_mask": torch.as_tensor(m), "features": o.features,
+             "last_hidden": o.last_hidden} for x, m, o in zip(ids, masks, outs)]
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_target_dir):
+    embed, lm_head = load_shared_weights(tiny_target_dir)
+    tc = AutoConfig.from_pretrained(tiny_target_dir, local_files_only=True)
+    torch.manual_seed(0)
+    model = Drafter(DrafterConfig(target_layer_ids=IDS, mask_token_id=5, num_layers=1, block_size=4,
+                                  markov_rank=8, num_anchors=6), tc, embed, lm_head)
+    with torch.no_grad():
+        model.markov_head.markov_w2.weight.normal_(0, 0.5)   # a non-zero Markov bias, as after training
+        model.confidence_head.proj.weight.normal_(0, 0.5)
+    return model.eval()
+
+
+def test_collect_matches_the_inference_path_per_block(drafter, held_out):
+    batches = [held_out[:3], held_out[3:]]
+    data = collect_confidence(drafter, batches, LossConfig(), seed=7)
+    # the rows are the blocks of each batch in (sample, anchor) order, blocks with a valid slot only
+    rows = []
+    for i, samples in enumerate(batches):
+        batch = collate_samples(samples)
+        blocks = drafter.make_blocks(batch, torch.Generator().manual_seed(7 + i))
+        for b in range(len(samples)):
+            for n in range(blocks.anchors.shape[1]):
+                if blocks.valid[b, n, 0]:
+                    rows.append((samples[b], int(blocks.anchors[b, n]), blocks.valid[b, n]))
+    assert data.num_blocks == len(rows) == 5 * 6          # every sample has >= 6 anchor candidates
+    assert data.z.shape == data.y.shape == data.valid.shape == (30, 4)
+    assert torch.equal(data.valid, torch.stack([v for _, _, v in rows]))
+    assert not data.valid[:, 0].logical_not().any() and (data.y[~data.valid] == 0).all()
+    assert ((data.y >= 0) & (data.y <= 1)).all()
+    # slot 1 of each row recomputed through the inference path: confidence logit and c* = 1 - TV
+    for r in (0, 11, 29):
+        sample, a, _ = rows[r]
+        ctx = drafter.encode_context(sample["features"][:a].float())
+        res = drafter.draft_block(ctx, int(sample["input_ids"][a]), temperature=1.0)
+        sup_row = int(sample["loss_mask"][1:a + 2].sum()) - 1       # last_hidden row of position a
+        p_t = torch.softmax(sample["last_hidden"][sup_row].float() @ drafter.lm_head.weight.t(), -1)
+        c_star = 1 - 0.5 * (res.q[0] - p_t).abs().sum()
+        assert float(data.z[r, 0]) == pytest.approx(float(res.confidence_logits[0]), abs=1e-4)
+        assert float(data.y[r, 0]) == pytest.approx(float(c_star), abs=1e-4)
+    again = collect_confidence(drafter, batches, LossConfig(), seed=7)
+    assert torch.equal(again.z, data.z) and torch.equal(again.y, data.y)
+    assert not torch.equal(collect_confidence(drafter, batches, LossConfig(), seed=8).z, data.z)
+
+
+def test_collect_refuses_a_drafter_without_confidence_head(tiny_target_dir, held_out):
+    embed, lm_head = load_shared_weights(tiny_target_dir)
+    tc = AutoConfig.from_pretrained(tiny_target_dir, local_files_only=True)
+    model = Drafter(DrafterConfig(target_layer_ids=IDS, mask_token_id=5, num_layers=1, block_size=4, markov_rank=0,
+                                  confidence_head=False), tc, embed, lm_head)
+    with pytest.raises(ValueError, match="no confidence head"):
+        collect_confidence(model, [held_out], LossConfig(), seed=0)
+
+
+def test_calibrate_drafter_recovers_known_temperatures():
+    # logits twice too sharp at every position (labels = the true acceptance): STS finds T = 2
+    g = torch.Generator().manual_seed(1)
+    c = torch.rand(4000, 3, generator=g) * 0.9 + 0.05
+    valid = torch.ones(4000, 3, dtype=torch.bool)
+    valid[:1000, 2] = False
+    report = calibrate_drafter(ConfidenceSet(2 * torch.logit(c), c, valid), n_bins=10, grid_step=0.05)
+    assert report["temperatures"] == pytest.approx([2.0, 2.0, 2.0], abs=0.01)
+    assert [p["n"] for p in report["positions"]] == [4000, 4000, 3000]
+    assert report["num_blocks"] == 4000 and report["label"] == "expected_acceptance" and report["n_bins"] == 10
+    for p in report["positions"]:
+        assert p["after"]["ece"] < 0.01 < p["before"]["ece"]
+
+
+def test_confidence_set_round_trip():
+    data = ConfidenceSet(torch.randn(5, 3), torch.rand(5, 3), torch.tensor([[1, 1, 0]] * 5, dtype=torch.bool))
+    save_confidence("memory://cal/confidence.safetensors", data)
+    back = load_confidence("memory://cal/confidence.safetensors")
+    assert torch.equal(back.z, data.z) and torch.equal(back.y, data.y) and torch.equal(back.valid, data.valid)
+
+
+@pytest.mark.integration
+def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, tiny_target_dir):
+    from test_train import _cfg, _chats
+
+    from pipeline.cache import run_cache
+    from pipeline.calibrate import run_calibrate
+    from pipeline.export import run_export
+    from pipeline.train import run_train
+
+    data = tmp_path / "chats.jsonl"
+    _chats(data, 80)
+    cfg = _cfg(tiny_target_dir, tmp_path / "run", data, "train.max_steps=6", "train.checkpoint_every_steps=100",
+               "++train.drafters.dflash={num_layers: 1, block_size: 7, sample_from_anchor: true, mask_token_id: 5, "
+               "head: none, markov_rank: 0, confidence_head: false}", "calibrate.bins=10")
+    run_cache(cfg)
+    run_train(cfg)
+    summary = run_calibrate(cfg)
+    assert summary["heldout_shards"] == [3]                       # 80 rows / 20 per shard: the last one
+    assert summary["drafters"]["dflash"] == {"skipped": "no confidence head"}
+    s = summary["drafters"]["dspark"]
+    out = tmp_path / "run" / "calibrate" / "dspark"
+    report = json.loads((out / "report.json").read_text())
+    assert len(s["temperatures"]) == 7 and s["temperatures"] == report["temperatures"]
+    assert s["num_blocks"] == report["num_blocks"] == report["positions"][0]["n"] > 0
+    assert s["ece_after"][0] <= s["ece_before"][0]                # position 1: never worse than T = 1
+    assert (out / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert load_confidence(str(out / "confidence.safetensors")).num_blocks == s["num_blocks"]
+
+    exported = run_export(cfg)
+    assert "sample_from_anchor=false" in exported["skipped"]["dflash"]
+    e = exported["drafters"]["dspark"]
+    conf = json.loads((tmp_path / "run/export/dspark/config.json").read_text())
+    assert e["architecture"] == "Qwen3DSparkModel" and e["confidence"] in ("folded", "config")
+    T = report["temperatures"]
+    if e["confidence"] == "config":
+        assert conf["confidence_temperatures"] == T and e["ece_vllm"] == e["ece_before"]
+    else:
+        assert conf["confidence_temperatures"] == pytest.approx([t / e["folded_temperature"] for t in T])
+    assert e["ece_sts"] == s["ece_after"] and len(e["ece_vllm"]) == 7 and not any(map(math.isnan, e["ece_vllm"]))
+    assert Path(e["path"], "model.safetensors").stat().st_size == e["bytes"]

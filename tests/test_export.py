@@ -1,0 +1,151 @@
+"""Export format (no vLLM needed): names, shapes, dtypes and config keys vLLM 0.32 expects; refusals."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from safetensors.torch import load, load_file
+from transformers import AutoConfig
+
+from pipeline.export import ExportError, check_tensors, export_drafter, expected_tensors
+from pipeline.target import load_shared_weights
+from training.draft_vocab import build_d2t
+from training.drafter import Drafter, DrafterConfig
+
+# vLLM Qwen3DSparkModel / DFlashDraftModel checkpoint names (issue 6), written out by hand
+LAYER = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+         "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+         "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+         "input_layernorm.weight", "post_attention_layernorm.weight"]
+BACKBONE = {f"layers.{i}.{n}" for i in range(2) for n in LAYER} | {"fc.weight", "hidden_norm.weight", "norm.weight"}
+DSPARK = BACKBONE | {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
+                     "confidence_head.proj.weight", "confidence_head.proj.bias"}
+
+
+def _drafter(target_dir, *, seed=0, train=True, **kw) -> Drafter:
+    """A drafter on the tiny target; ``train`` moves every trainable tensor off its initial value,
+    as training would (deterministic)."""
+    embed, lm_head = load_shared_weights(target_dir)
+    tc = AutoConfig.from_pretrained(target_dir, local_files_only=True)
+    args = dict(target_layer_ids=[0, 2], mask_token_id=5, num_layers=2, block_size=4, markov_rank=8)
+    args.update(kw)
+    d2t = None
+    if args.get("draft_vocab_size"):
+        d2t = build_d2t(torch.arange(tc.vocab_size).flip(0), args["draft_vocab_size"])
+    torch.manual_seed(seed)
+    model = Drafter(DrafterConfig(**args), tc, embed, lm_head, d2t)
+    if train:
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in model.trainable_parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def _export(model, target_dir, out: Path, **kw):
+    info = export_drafter(model, target_dir, str(out), **kw)
+    return info, json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+
+
+def test_dspark_export_names_shapes_dtypes_and_config(tiny_target_dir, tmp_path):
+    model = _drafter(tiny_target_dir)
+    info, cfg, t = _export(model, tiny_target_dir, tmp_path / "dspark", temperatures=[1.0, 1.5, 2.0, 0.8],
+                           fold_tolerance=0.02)
+    assert set(t) == DSPARK                                  # no model. prefix, no embed_tokens/lm_head/d2t
+    assert t["fc.weight"].shape == (64, 128) and t["layers.1.self_attn.k_proj.weight"].shape == (32, 64)
+    assert t["layers.0.self_attn.q_norm.weight"].shape == (16,)
+    assert t["markov_head.markov_w1.weight"].shape == (512, 8) and t["markov_head.markov_w2.weight"].shape == (512, 8)
+    assert t["confidence_head.proj.weight"].shape == (1, 72) and t["confidence_head.proj.bias"].shape == (1,)
+    assert {v.dtype for v in t.values()} == {torch.float32}
+    state = model.state_dict()
+    assert all(torch.equal(t[k], state[k]) for k in t)     # temperatures spread 2.5x: nothing folded
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["num_hidden_layers"] == 2 and cfg["num_target_layers"] == 4 and cfg["hidden_size"] == 64
+    assert cfg["target_layer_ids"] == [0, 2]                 # DeepSpec ids as trained; vLLM adds 1
+    assert (cfg["mask_token_id"], cfg["markov_rank"], cfg["block_size"]) == (5, 8, 4)
+    assert cfg["enable_confidence_head"] is True and cfg["confidence_head_with_markov"] is True
+    assert cfg["sample_from_anchor"] is True and cfg["tie_word_embeddings"] is False
+    assert cfg["confidence_temperatures"] == [1.0, 1.5, 2.0, 0.8] and cfg["confidence_temperature_folded"] is None
+    assert "quantization_config" not in cfg and "layer_types" not in cfg and "dflash_config" not in cfg
+    assert info["confidence"] == "config" and info["num_tensors"] == len(DSPARK) and info["dropped"] == []
+    assert {k: v[0] for k, v in expected_tensors(cfg).items()} == {k: tuple(v.shape) for k, v in t.items()}
+
+
+def test_dflash_export_drops_confidence_head(tiny_target_dir, tmp_path):
+    model = _drafter(tiny_target_dir, markov_rank=0, sample_from_anchor=False, block_size=3)
+    info, cfg, t = _export(model, tiny_target_dir, tmp_path / "dflash")
+    assert set(t) == BACKBONE
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["dflash_config"] == {"mask_token_id": 5, "target_layer_ids": [0, 2]}
+    assert "markov_rank" not in cfg and "confidence_temperatures" not in cfg
+    assert info["dropped"] == ["confidence_head.proj.weight", "confidence_head.proj.bias"]
+    assert info["confidence"] == "none"
+
+
+def test_reduced_vocabulary_ships_lm_head_and_d2t(tiny_target_dir, tmp_path):
+    model = _drafter(tiny_target_dir, draft_vocab_size=100)
+    _, cfg, t = _export(model, tiny_target_dir, tmp_path / "reduced")
+    assert set(t) == DSPARK | {"lm_head.weight", "d2t"}
+    assert cfg["draft_vocab_size"] == 100 and cfg["vocab_size"] == 512
+    assert t["d2t"].dtype == torch.int64 and t["lm_head.weight"].shape == (100, 64)
+    assert t["markov_head.markov_w1.weight"].shape == (512, 8) and t["markov_head.markov_w2.weight"].shape == (100, 8)
+    _, lm_head = load_shared_weights(tiny_target_dir)
+    assert torch.equal(t["lm_head.weight"], lm_head[torch.arange(100) + t["d2t"]])
+
+
+def test_equal_temperatures_fold_into_the_head(tiny_target_dir):
+    model = _drafter(tiny_target_dir)
+    info = export_drafter(model, tiny_target_dir, "memory://export-fold", temperatures=[1.5, 1.51, 1.49, 1.5],
+                          fold_tolerance=0.02)
+    fs = fsspec.filesystem("memory")
+    cfg = json.loads(fs.cat_file("/export-fold/config.json"))
+    t = load(fs.cat_file("/export-fold/model.safetensors"))
+    T = (1.5 * 1.51 * 1.49 * 1.5) ** 0.25
+    assert info["confidence"] == "folded" and info["folded_temperature"] == pytest.approx(T)
+    assert cfg["confidence_temperature_folded"] == pytest.approx(T)
+    assert cfg["confidence_temperatures"] == pytest.approx([1.5 / T, 1.51 / T, 1.49 / T, 1.5 / T])
+    x = torch.randn(10, 72, generator=torch.Generator().manual_seed(3))
+    raw = x @ t["confidence_head.proj.weight"].t() + t["confidence_head.proj.bias"]
+    trained = model.confidence_head.proj(x).detach()
+    torch.testing.assert_close(torch.sigmoid(raw), torch.sigmoid(trained / T))  # vLLM's raw sigmoid is calibrated
+
+
+def test_refuses_missing_nan_and_untrained_tensors(tiny_target_dir, tmp_path):
+    model = _drafter(tiny_target_dir)
+    info, cfg, t = _export(model, tiny_target_dir, tmp_path / "ok")
+    expected = expected_tensors(cfg)
+    missing = {k: v for k, v in t.items() if k != "layers.1.mlp.up_proj.weight"}
+    with pytest.raises(ExportError, match=r"missing layers\.1\.mlp\.up_proj\.weight"):
+        check_tensors(missing, expected)
+    nan = dict(t, **{"fc.weight": t["fc.weight"].clone().index_fill_(0, torch.tensor([3]), float("nan"))})
+    with pytest.raises(ExportError, match=r"fc\.weight holds NaN"):
+        check_tensors(nan, expected)
+    with pytest.raises(ExportError, match=r"unexpected markov_head\.gate_proj\.weight"):
+        check_tensors(dict(t, **{"markov_head.gate_proj.weight": torch.ones(8, 80)}), expected)
+    with pytest.raises(ExportError, match=r"fc\.weight is \(64, 64\)"):
+        check_tensors(dict(t, **{"fc.weight": torch.ones(64, 64)}), expected)
+    check_tensors(t, expected)                                  # the complete export passes
+    # untrained: init constants (norms 1, markov_w2 0, bias 0), and a tensor equal to a fresh same-seed init
+    fresh = _drafter(tiny_target_dir, train=False)
+    with pytest.raises(ExportError, match=r"norm\.weight still holds its initial value") as err:
+        export_drafter(fresh, tiny_target_dir, str(tmp_path / "fresh"))
+    assert "markov_head.markov_w2.weight still holds" in str(err.value)
+    assert "fc.weight" not in str(err.value)                    # random init: only caught against `initial`
+    assert not (tmp_path / "fresh").exists()                    # nothing written on refusal
+    half = _drafter(tiny_target_dir)
+    half.fc.weight.data.copy_(fresh.fc.weight.data)
+    with pytest.raises(ExportError, match=r"fc\.weight still holds its initial value") as err:
+        export_drafter(half, tiny_target_dir, str(tmp_path / "half"), initial=fresh.state_dict())
+    assert str(err.value).count("still holds") == 1
+
+
+def test_refuses_drafters_vllm_cannot_serve(tiny_target_dir, tmp_path):
+    with pytest.raises(ExportError, match="only the vanilla Markov head"):
+        export_drafter(_drafter(tiny_target_dir, head_type="gated"), tiny_target_dir, str(tmp_path / "g"))
+    with pytest.raises(ExportError, match="retrain it with sample_from_anchor=false"):
+        export_drafter(_drafter(tiny_target_dir, markov_rank=0), tiny_target_dir, str(tmp_path / "d"))
+    with pytest.raises(ExportError, match="3 temperatures for block size 4"):
+        export_drafter(_drafter(tiny_target_dir), tiny_target_dir, str(tmp_path / "t"), temperatures=[1, 1, 1])
