@@ -9,12 +9,13 @@ export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: install demo test test-fast test-vllm bench clean
 
-# One pip command resolves everything (torch pinned to the CPU build on the same line; a later,
-# separate moto install would break the s3fs/botocore pin).
-$(STAMP): pyproject.toml
+# One pip command installs everything (torch pinned to the CPU build on the same line; a later,
+# separate moto install would break the s3fs/botocore pin). constraints.txt is the resolved set
+# (pip freeze of a working install): without it pip's resolver backtracks for many minutes.
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q torch==2.13.0 -e '.[test]'
+	$(VENV)/bin/pip install -q -c constraints.txt torch==2.13.0 -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
