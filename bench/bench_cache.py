@@ -1,7 +1,7 @@
 """Cache stage throughput against a bare batched forward of the same target on the same samples,
 measured side by side in one run; and bytes per token for bf16 against fp8 features.
 
-    python bench/bench_cache.py [--rows 512]
+    python bench/bench_cache.py [--rows 512] [key=value ...]
 """
 from __future__ import annotations
 
@@ -50,19 +50,20 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. target.path=DIR")
     args = ap.parse_args()
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in ("bf16", "fp8_e4m3"):
             cfg = tiny_config(f"{tmp}/{dtype}", f"cache.max_rows={args.rows}", f"cache.feature_dtype={dtype}",
-                              "cache.rows_per_shard=64")
+                              "cache.rows_per_shard=64", *args.overrides)
             t0 = time.perf_counter()
             s = run_cache(cfg)
             out[dtype] = {**{k: s[k] for k in ("samples", "tokens", "bytes", "bytes_per_token", "estimate_bytes",
                                                "prefill_tokens_per_s")},
                           "stage_tokens_per_s": s["tokens"] / (time.perf_counter() - t0)}
         bare, tokens = bare_forward_tokens_per_s(tiny_config(f"{tmp}/bare", f"cache.max_rows={args.rows}",
-                                                             "cache.rows_per_shard=64"), args.rows)
+                                                             "cache.rows_per_shard=64", *args.overrides), args.rows)
     b = out["bf16"]
     print(json.dumps(out, indent=1))
     print(f"bare batched forward: {bare:,.0f} tokens/s over {tokens:,} tokens")
