@@ -2,9 +2,11 @@
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,13 +28,27 @@ def ray_head(tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     temp = Path("/tmp") / f"rh{os.getpid()}"
     dash = _port()
-    subprocess.run([ray_bin, "start", "--head", f"--port={_port()}", "--num-cpus=2", f"--temp-dir={temp}",
-                    "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                    "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=120)
+    # --block keeps every process of this head in one process group that the test alone stops
+    # (`ray stop` would stop every Ray instance on the machine, the test session's own included)
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={_port()}", "--num-cpus=2",
+                             f"--temp-dir={temp}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+                             f"--dashboard-port={dash}", "--disable-usage-stats"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    address = f"http://127.0.0.1:{dash}"
     try:
-        yield ray_bin, f"http://127.0.0.1:{dash}", env
+        deadline = time.time() + 120
+        while subprocess.run([ray_bin, "job", "list", "--address", address], env=env,
+                             capture_output=True).returncode != 0:
+            if time.time() > deadline or head.poll() is not None:
+                pytest.fail("the local Ray head did not start")
+            time.sleep(1)
+        yield ray_bin, address, env
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
         shutil.rmtree(temp, ignore_errors=True)
 
 
