@@ -18,7 +18,7 @@ def setup(tiny_qwen3):
     torch.manual_seed(1)
     m = tiny_qwen3
     drafter = Drafter(drafter_config(spec, cfg), m.config, m.model.embed_tokens.weight, m.lm_head.weight).eval()
-    with torch.no_grad():  # a drafter that sometimes agrees with the target: copy its final norm
+    with torch.no_grad():  # a non-zero Markov bias, so the sequential head takes part
         drafter.markov_head.markov_w2.weight.normal_(0, 0.02)
     return m, drafter, LayerTap(m, cfg.target.target_layer_ids)
 
