@@ -32,7 +32,10 @@ def ray_head(tmp_path):
     # (`ray stop` would stop every Ray instance on the machine, the test session's own included)
     head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={_port()}", "--num-cpus=2",
                              f"--temp-dir={temp}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-                             f"--dashboard-port={dash}", "--disable-usage-stats"], env=env,
+                             f"--dashboard-port={dash}", "--disable-usage-stats",
+                             # own agent ports: another Ray instance on this machine holds the defaults
+                             f"--dashboard-agent-listen-port={_port()}", f"--dashboard-agent-grpc-port={_port()}",
+                             f"--metrics-export-port={_port()}", f"--runtime-env-agent-port={_port()}"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
     try:
@@ -59,8 +62,12 @@ def test_cache_stage_via_ray_job_submit(ray_head, tiny_target_dir, shared_cases,
              f"target.path={tiny_target_dir}", f"run_dir={run_dir}", "generate.enabled=false",
              f"data.train_files=[{shared_cases}/chats/sharegpt.jsonl]", "data.min_loss_tokens=1",
              "cache.rows_per_shard=3"]
-    r = subprocess.run([ray_bin, "job", "submit", "--address", address, "--", *entry], env=env,
-                       capture_output=True, text=True, timeout=400)
+    for _ in range(20):  # the head's job agent may come up a few seconds after its dashboard
+        r = subprocess.run([ray_bin, "job", "submit", "--address", address, "--", *entry], env=env,
+                           capture_output=True, text=True, timeout=400)
+        if "No available agent" not in r.stdout + r.stderr:
+            break
+        time.sleep(3)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "succeeded" in r.stdout
     summary = json.loads((run_dir / "cache" / "summary.json").read_text())
