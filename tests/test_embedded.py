@@ -19,7 +19,8 @@ from pipeline.embedded.build import (BuildSpec, EmbeddedSpecMismatch, build_embe
                                      ensure_embedded, resolve_embedded)
 from pipeline.embedded.stdlib_chats import (StdlibModule, build_stdlib_chats, extract_chats,
                                             is_heldout, module_name, read_stdlib)
-from pipeline.embedded.target import TargetSpec, chat_eval_batch, evaluate, pack_windows
+from pipeline.embedded.target import (TargetSpec, chat_eval_batch, evaluate, new_model,
+                                      pack_windows, train)
 from pipeline.embedded.tokenizer import SPECIAL_TOKENS, build_tokenizer
 
 CORPUS = [
@@ -142,6 +143,8 @@ def test_extract_chats_exact_prompt_and_answer():
     assert [r["id"] for r in extract_chats(SOURCE, "m", max_body_lines=2)] == ["m:add:4"]
     assert [r["id"] for r in extract_chats(SOURCE, "m", max_body_chars=20)] == []
     assert extract_chats("def broken(:\n", "m") == []
+    form_feed = extract_chats('def f():\n    """D."""\n    # a\x0cb\n    return 1\n', "m")
+    assert form_feed[0]["messages"][1]["content"] == "# a\x0cb\nreturn 1"
 
 
 @pytest.mark.parametrize("path, name", [
@@ -204,6 +207,31 @@ def test_pack_windows_and_evaluate_masks(tok, tiny_qwen3):
     keep = labels[0, 1:] != -100
     expected = torch.nn.functional.cross_entropy(logits[keep], labels[0, 1:][keep]).item()
     assert result["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_train_draws_seeded_batches_and_learns(tok):
+    spec = TargetSpec(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=32,
+                      intermediate_size=32, seq_len=8, batch_size=2, steps=6, warmup_steps=1,
+                      lr=1e-2)
+    windows = torch.arange(6 * 8).view(6, 8) % 40 + 6
+    seen, losses, models = [], [], []
+    for _ in range(2):
+        model = new_model(spec, tok)
+        batches = []
+        model.register_forward_pre_hook(lambda m, a, kw: batches.append(kw["input_ids"].clone()),
+                                        with_kwargs=True)
+        stats = train(model, windows, spec, on_step=lambda step, loss: losses.append(loss))
+        seen.append(torch.stack(batches))
+        models.append(model)
+    assert seen[0].shape == (6, 2, 8)
+    assert torch.equal(seen[0], seen[1])  # same seed, same batches
+    # Each epoch (3 steps of 2 rows) visits all 6 windows once.
+    assert sorted(seen[0][:3].reshape(6, 8).tolist()) == sorted(windows.tolist())
+    assert losses[5] < losses[0] and stats["final_loss"] == pytest.approx(sum(losses[6:]) / 6)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="smaller batch_size"):
+        train(models[0], windows[:1], spec)
 
 
 FOLDER = f"embedded-v1-py{sys.version_info.major}.{sys.version_info.minor}"

@@ -1,4 +1,4 @@
-"""``python -m pipeline.embedded [--home DIR]``: build the embedded target and data, print metrics."""
+"""``python -m pipeline.embedded [--home DIR]``: build the embedded target + data, show metrics."""
 from __future__ import annotations
 
 import argparse

@@ -88,13 +88,17 @@ def build_embedded(out_dir: str | Path, spec: BuildSpec = BuildSpec(),
 
     Steps: read the stdlib sources, split modules (sha256 of the name), write the chat files,
     train the tokenizer on train-module sources and prompts, train the target on train-module
-    sources mixed with template-rendered train chats, evaluate on held-out modules, save.
+    sources mixed with the train chats rendered by the tokenizer's own template (alternately the
+    whole ChatML conversation and the ``enable_thinking=False`` generation prompt + answer, so the
+    target answers in both forms), evaluate on held-out modules, save.
 
     Returns:
         The metrics dict also written to ``target/metrics.json``: ``params``, ``steps``,
-        ``train_seconds``, ``steps_per_s``, ``tokens_per_s``, ``build_seconds``,
-        ``heldout_source`` / ``heldout_chat`` / ``heldout_chat_no_think`` (each ``{"loss": nats per
-        token, "top1": fraction, "tokens": count}``), data counts, versions.
+        ``train_seconds`` (wall), ``steps_per_s``, ``tokens_per_s``, ``build_seconds``, and
+        ``heldout_source`` (held-out modules' source in windows of ``eval_window`` tokens, at most
+        ``eval_tokens``), ``heldout_chat`` / ``heldout_chat_no_think`` (the held-out chats' answer
+        tokens + ``<|im_end|>``, plain or non-thinking prompt), each ``{"loss": nats per token,
+        "top1": fraction of argmax hits, "tokens": count}``; data counts, versions.
     """
     start = time.perf_counter()
     paths = EmbeddedPaths.at(Path(out_dir))
@@ -124,7 +128,7 @@ def build_embedded(out_dir: str | Path, spec: BuildSpec = BuildSpec(),
         "train_tokens_available": windows.numel(), "train_seconds": round(stats["seconds"], 2),
         "steps_per_s": round(stats["steps_per_s"], 3), "tokens_per_s": round(stats["tokens_per_s"]),
         "final_train_loss": stats["final_loss"],
-        "heldout_source": evaluate(model, held_windows),
+        "eval_window": t.seq_len, "heldout_source": evaluate(model, held_windows),
         "heldout_chat": evaluate(model, *chat_eval_batch(tokenizer, held_rows)),
         "heldout_chat_no_think": evaluate(model, *chat_eval_batch(tokenizer, held_rows, True)),
         "chats": counts, "python": platform.python_version(), "torch": torch.__version__,

@@ -11,6 +11,7 @@ import ast
 import hashlib
 import json
 import os
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +129,8 @@ def extract_chats(source: str, module: str, max_body_lines: int = 40,
         max_prompt_chars: skip functions whose prompt is longer (very long docstrings).
 
     Returns:
-        Rows ``{"id", "messages": [user, assistant]}`` in source order. Functions with no
+        Rows ``{"id", "messages": [user, assistant]}``: module-level functions, then methods
+        class by class, each in source order. Functions with no
         docstring, a body that is only the docstring, or code sharing a line with the ``def`` or
         the docstring are skipped. Source that does not parse yields [].
     """
@@ -136,7 +138,7 @@ def extract_chats(source: str, module: str, max_body_lines: int = 40,
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
-    lines = source.splitlines()
+    lines = re.split(r"\r\n|\r|\n", source)  # ast's line breaks (not str.splitlines's \f etc.)
     rows = []
     for prefix, fn in _functions(tree):
         if ast.get_docstring(fn) is None or len(fn.body) < 2:
@@ -188,7 +190,8 @@ def build_stdlib_chats(out_dir: str | Path, modules: list[StdlibModule] | None =
             ``extract_chats``.
 
     Returns:
-        ``{"train": rows written, "heldout": rows written, "train_modules": n, "heldout_modules": n}``.
+        ``{"train": rows written, "heldout": rows written, "train_modules": n,
+        "heldout_modules": n}``.
 
     Raises:
         ValueError: if a split ends up empty (caps or fraction too small for the sources given).
