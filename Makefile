@@ -7,7 +7,7 @@ export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/dspark-torch-extensions
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-fast test-vllm bench clean
+.PHONY: install demo demo-cluster test test-fast test-vllm bench clean
 
 # One pip command installs everything (torch pinned to the CPU build on the same line; a later,
 # separate moto install would break the s3fs/botocore pin). constraints.txt is the resolved set
@@ -22,6 +22,11 @@ install: $(STAMP)
 
 demo: install
 	$(PY) -m pipeline.run +stage=all conf/tiny.yaml
+
+# The same demo submitted with `ray job submit` to a local Ray head, run_dir on a local S3 server,
+# compared figure by figure with the local `make demo` run (runs/tiny).
+demo-cluster: install
+	$(PY) bench/demo_cluster.py
 
 test: install
 	$(PY) -m pytest -q

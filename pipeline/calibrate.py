@@ -157,8 +157,10 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     """``+stage=calibrate``: STS for every trained drafter that has a confidence head.
 
     Returns:
-        ``{"heldout_shards": [...], "drafters": {name: {"temperatures", "num_blocks", "ece_before",
-        "ece_after"} | {"skipped": reason}}}`` with ECE lists per position (None where undefined).
+        ``{"heldout_shards": [...], "drafters": {name: {"temperatures", "num_blocks",
+        "block_size", "heldout_tau_expected", "ece_before", "ece_after"} | {"skipped": reason}}}`` with ECE lists per
+        position (None where undefined); ``heldout_tau_expected`` is the mean over held-out blocks of
+        ``1 + sum_j prod_{i<=j} c*_i`` (:func:`training.losses.expected_tau`).
     Raises:
         FingerprintMismatchError: the cache does not fit the config.
         FileNotFoundError: a drafter has no committed checkpoint (run the train stage).
@@ -169,7 +171,7 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.train import expected_fingerprint
     from training.data import split_shards
     from training.loop import load_trained_drafter
-    from training.losses import LossConfig
+    from training.losses import LossConfig, expected_tau
     from training.sts import plot_reliability
 
     target_dir = resolve_target_path(cfg.target.path)
@@ -194,6 +196,7 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
         pos = report["positions"]
         summary["drafters"][name] = {
             "temperatures": report["temperatures"], "num_blocks": data.num_blocks,
+            "block_size": data.z.shape[1], "heldout_tau_expected": float(expected_tau(data.y, data.valid).mean()),
             "ece_before": [p["before"]["ece"] for p in pos], "ece_after": [p["after"]["ece"] for p in pos]}
         log.info("calibrate %s: %d blocks, T=%s", name, data.num_blocks,
                  [round(t, 3) for t in report["temperatures"]])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 from pipeline.config import RayConfig
 
@@ -24,3 +25,73 @@ def init_ray(cfg: RayConfig) -> None:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the stages draw their own bars (samples, tokens, bytes)
     ctx.print_on_execution_start = False
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def local_head(num_cpus: int, env: dict[str, str] | None = None, timeout_s: float = 120):
+    """Start a Ray head on 127.0.0.1 (``ray start --head --block``) for ``ray job submit``; yield
+    ``(ray_bin, dashboard_address, env)`` and stop the head's process group on exit.
+
+    Every port is chosen free (another Ray instance on the machine may hold the defaults), and only
+    this head is stopped (``ray stop`` would stop every Ray instance of the machine). ``env`` (default
+    this process's) is the head's environment, which submitted jobs inherit (e.g. AWS_* variables).
+
+    Raises:
+        RuntimeError: the head's job API did not answer within ``timeout_s`` seconds.
+    """
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    env = {**(os.environ if env is None else env), "RAY_AUTH_MODE": "disabled"}
+    temp = Path("/tmp") / f"rh{os.getpid()}"
+    dash = _free_port()
+    ports = {flag: _free_port() for flag in ("port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                             "metrics-export-port", "runtime-env-agent-port")}
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--temp-dir={temp}",
+                             "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                             "--disable-usage-stats", *(f"--{k}={v}" for k, v in ports.items())],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.time() + timeout_s
+        while subprocess.run([ray_bin, "job", "list", "--address", address], env=env,
+                             capture_output=True).returncode != 0:
+            if time.time() > deadline or head.poll() is not None:
+                raise RuntimeError(f"the local Ray head did not start within {timeout_s:.0f} s")
+            time.sleep(1)
+        yield ray_bin, address, env
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def submit(ray_bin: str, address: str, env: dict[str, str], entrypoint: list[str], timeout_s: float):
+    """``ray job submit --address ADDRESS -- ENTRYPOINT``, retried while the head's job agent is still
+    starting (it may answer a few seconds after the dashboard). Returns the CompletedProcess."""
+    import subprocess
+    import time
+
+    for _ in range(20):
+        r = subprocess.run([ray_bin, "job", "submit", "--address", address, "--", *entrypoint], env=env,
+                           capture_output=True, text=True, timeout=timeout_s)
+        if "No available agent" not in r.stdout + r.stderr:
+            return r
+        time.sleep(3)
+    return r

@@ -6,6 +6,7 @@ value of the wrong type or range fails with a one-line :class:`ConfigError` nami
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -272,7 +273,23 @@ def to_run_config(raw: DictConfig | dict[str, Any]) -> RunConfig:
         key = getattr(e, "full_key", None) or "?"
         msg = str(getattr(e, "msg", e)).splitlines()[0]
         raise ConfigError(f"{key}: {msg}") from None
-    return validate(cfg)
+    return _absolute_paths(validate(cfg))
+
+
+def _absolute_paths(cfg: RunConfig) -> RunConfig:
+    """Local relative paths (run_dir, data files, SPS table, a local target folder) made absolute
+    against the directory the command was started in, before any Ray worker (whose working
+    directory differs) sees them. A hub id (``Qwen/Qwen3-4B``) that is not a local path stays as is."""
+    from pipeline.storage import absolute
+
+    cfg.run_dir = absolute(cfg.run_dir)
+    cfg.data.train_files = [absolute(f) for f in cfg.data.train_files]
+    cfg.data.eval_files = [absolute(f) for f in cfg.data.eval_files]
+    if cfg.evaluate.sps_table:
+        cfg.evaluate.sps_table = absolute(cfg.evaluate.sps_table)
+    if os.path.exists(os.path.expanduser(cfg.target.path)):
+        cfg.target.path = absolute(cfg.target.path)
+    return cfg
 
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -30,6 +30,11 @@ def results_table(run_dir: str, stages: dict[str, dict[str, Any]]) -> str:
                      / ev["results"][t]["drafters"]["dflash"]["overall"]["tau"] for t in temps]
             lines.append("| DSpark / DFlash | " + " | ".join(f"{r:.3f}" for r in ratio) + " |")
         lines.append("")
+    cal = stages.get("calibrate") or _read(join(run_dir, "calibrate", "summary.json")) or {}
+    taus = [f"{n} {d['heldout_tau_expected']:.3f} (block size {d['block_size']})"
+            for n, d in sorted(cal.get("drafters", {}).items()) if "heldout_tau_expected" in d]
+    if taus:
+        lines.append("held-out tau_expected on cache shards: " + ", ".join(taus))
     for name in sorted((stages.get("train") or {}).get("drafters", {})):
         rep = _read(join(run_dir, "calibrate", name, "report.json"))
         if rep:

@@ -6,6 +6,7 @@ including AWS_ENDPOINT_URL); they are never taken from configs, logged or writte
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import fsspec
@@ -48,3 +49,12 @@ def resolve_input(url: str) -> str:
 
         return resolve_embedded(url)
     return url
+
+
+def absolute(url: str) -> str:
+    """A plain relative path made absolute against the current directory (Ray workers run in other
+    directories); URLs with a scheme (``s3://``, ``file://``, ``memory://``) and ``embedded:`` names
+    unchanged; ``~`` expanded."""
+    if "://" in url or url.startswith("embedded:"):
+        return url
+    return os.path.abspath(os.path.expanduser(url))

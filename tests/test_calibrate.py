@@ -133,8 +133,13 @@ def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, t
     assert len(s["temperatures"]) == 7 and s["temperatures"] == report["temperatures"]
     assert s["num_blocks"] == report["num_blocks"] == report["positions"][0]["n"] > 0
     assert s["ece_after"][0] <= s["ece_before"][0]                # position 1: never worse than T = 1
+    saved = load_confidence(str(out / "confidence.safetensors"))
+    y, valid = saved.y, saved.valid
+    manual = (1 + torch.stack([(y[:, :k + 1] * valid[:, :k + 1]).prod(1) for k in range(7)], 1).sum(1)).mean()
+    assert s["block_size"] == 7 and s["heldout_tau_expected"] == pytest.approx(float(manual), rel=1e-5)
+    assert 1.0 < s["heldout_tau_expected"] < 8.0
     assert (out / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert load_confidence(str(out / "confidence.safetensors")).num_blocks == s["num_blocks"]
+    assert saved.num_blocks == s["num_blocks"]
 
     exported = run_export(cfg)
     assert "sample_from_anchor=false" in exported["skipped"]["dflash"]

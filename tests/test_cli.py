@@ -66,6 +66,21 @@ def test_compose_loader_types_and_overrides():
     assert tiny.train.drafters["dflash"].markov_rank == 0
 
 
+def test_relative_paths_become_absolute(tmp_path, monkeypatch, local_target):
+    """Ray Train workers run in their own directory: a relative run_dir must reach them absolute."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t").symlink_to(local_target)
+    cfg = load_config(DEFAULT_CONFIG, ["run_dir=runs/x", "data.train_files=[a.jsonl,s3://b/c.jsonl]",
+                                       "data.eval_files=['~/e.jsonl']", "evaluate.sps_table=sps.json", "target.path=t"])
+    assert cfg.run_dir == str(tmp_path / "runs" / "x")
+    assert cfg.data.train_files == [str(tmp_path / "a.jsonl"), "s3://b/c.jsonl"]
+    assert cfg.data.eval_files == [str(Path.home() / "e.jsonl")]
+    assert cfg.evaluate.sps_table == str(tmp_path / "sps.json") and cfg.target.path == str(tmp_path / "t")
+    hub = load_config(REPO / "conf" / "qwen3_4b.yaml", ["run_dir=s3://bucket/run"])
+    assert hub.target.path == "Qwen/Qwen3-4B" and hub.run_dir == "s3://bucket/run"
+    assert load_config(DEFAULT_CONFIG).target.path == "embedded:tiny"
+
+
 @pytest.mark.parametrize("override,msg", [
     ("train.lrr=3", "train.lrr: Key 'lrr' not in 'TrainConfig'"),
     ("train.lr=-1", "train.lr: must be > 0"),
@@ -95,13 +110,14 @@ def test_qwen3_4b_offline_fails_fast_without_traceback():
     assert "target.path=/models/NAME" in r.stderr
 
 
-def test_cli_matches_compose_loader_and_hydra_flags(local_target, tmp_path):
+def test_cli_matches_compose_loader_and_hydra_flags(local_target, tmp_path, monkeypatch):
     args = ["+stage=all", "conf/tiny.yaml", f"target.path={local_target}", "train.lr=0.5", "dry_run=true"]
     r = _cli(*args, cwd=tmp_path)  # any working directory; the YAML path is absolute after rewriting
     assert r.returncode == 2 and "no such file" in r.stderr  # relative to cwd, as a user expects
     r = _cli(*[a if a != "conf/tiny.yaml" else str(DEFAULT_CONFIG) for a in args], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     [plan] = _plans(r.stdout)
+    monkeypatch.chdir(tmp_path)  # run_dir runs/tiny is relative to the directory of the command
     via_loader = load_config(DEFAULT_CONFIG, ["+stage=all", f"target.path={local_target}", "train.lr=0.5",
                                               "dry_run=true"])
     assert to_run_config(plan["config"]) == via_loader

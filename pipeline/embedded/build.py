@@ -195,6 +195,8 @@ def ensure_embedded(home: str | Path | None = None, spec: BuildSpec = BuildSpec(
                 for stale in root.glob(f".{name}.tmp-*"):
                     shutil.rmtree(stale)
                 tmp = root / f".{name}.tmp-{os.getpid()}"
+                print(f"building the embedded target and stdlib chats into {final} "
+                      "(first use only; about 5 minutes on 2 cores)", file=sys.stderr, flush=True)
                 try:
                     build_embedded(tmp, spec, progress)
                     (tmp / "spec.json").write_text(json.dumps(_spec_json(spec), indent=2) + "\n")
@@ -220,6 +222,6 @@ def resolve_embedded(url: str, home: str | Path | None = None,
     """
     if url not in URLS:
         raise ValueError(f"unknown embedded URL {url!r}: use one of {', '.join(URLS)}")
-    paths = ensure_embedded(home, spec)
+    paths = ensure_embedded(home, spec, progress=True)
     return str({URLS[0]: paths.target_dir, URLS[1]: paths.train_chats,
                 URLS[2]: paths.heldout_chats}[url])
