@@ -61,7 +61,9 @@ def load_target(cfg: TargetConfig, device: str = "cpu"):
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per actor drowns the stage's own bar
     local = resolve_target_path(cfg.path)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
     model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, local_files_only=True).to(device)
