@@ -49,7 +49,9 @@ def test_all_stages_on_s3(tmp_path, s3_url):
     s = {stage: read_json(join(run_dir, stage, "summary.json"))
          for stage in ("generate", "cache", "train", "calibrate", "export", "evaluate")}
     assert all(v["seconds"] > 0 for v in s.values())
-    assert s["generate"]["rows_in"] == 48 == s["generate"]["rows_kept"] and s["generate"]["new_tokens"] > 0
+    gen = s["generate"]
+    assert gen["rows_in"] == 48 == gen["rows_kept"] + sum(gen["rows_failed"].values()) and gen["rows_kept"] > 24
+    assert gen["new_tokens"] > 0
     assert s["generate"]["tokens_per_s"] > 0
     assert s["cache"]["samples"] > 0 and s["cache"]["supervised_tokens"] > 0
     assert s["cache"]["bytes_per_token"] > 0
