@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
+import torch
 import zarr
 
 from cache_schema.errors import (ChecksumMismatchError, CorruptRecordError, MissingObjectError,
@@ -162,9 +163,12 @@ class CacheReader:
         try:
             return shard.sample(k)
         except FileNotFoundError as exc:
-            self._open.pop(shard_index, None)
-            raise MissingObjectError(f"shard {shard_index} of {self.root.url}: an object vanished "
-                                     f"after the shard was opened ({exc}); rewrite the shard") from exc
+            raise self._vanished(shard_index, exc) from exc
+
+    def _vanished(self, shard_index: int, exc: Exception) -> MissingObjectError:
+        self._open.pop(shard_index, None)
+        return MissingObjectError(f"shard {shard_index} of {self.root.url}: an object vanished after the "
+                                  f"shard was opened ({exc}); rewrite the shard")
 
     def iter_samples(self, shards: Iterable[int] | None = None) -> Iterator[CacheSample]:
         """Samples of the given committed shards (default: all), shard by shard, in stored order.
@@ -177,6 +181,21 @@ class CacheReader:
         for shard_index in self.shards if shards is None else shards:
             for k in range(len(self._shard(shard_index).sample_ids)):
                 yield self._read(shard_index, k)
+
+    def token_arrays(self, shards: Iterable[int] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(input_ids [T] int32, loss_mask [T] uint8)`` of each given committed shard (default: all),
+        whole shards at once, without reading any feature array (a few bytes per token).
+
+        Raises:
+            ShardNotCommittedError, MissingObjectError: as :meth:`sample`.
+        """
+        for shard_index in self.shards if shards is None else shards:
+            shard = self._shard(shard_index)
+            try:
+                ids, mask = shard.arrays[INPUT_IDS][:], shard.arrays[LOSS_MASK][:]
+            except FileNotFoundError as exc:
+                raise self._vanished(shard_index, exc) from exc
+            yield torch.from_numpy(np.asarray(ids)), torch.from_numpy(np.asarray(mask))
 
     def verify_shard(self, shard_index: int) -> None:
         """Full check of one committed shard: object presence and sizes, then every array's content

@@ -83,6 +83,9 @@ def test_bf16_round_trip_is_bit_exact(root_url):
         assert (got.sample_id, got.source, got.row, got.content_hash) == \
                (want.sample_id, want.source, want.row, want.content_hash)
     assert [s.sample_id for s in reader.iter_samples([4])] == ["sample-3", "sample-4"]
+    [(ids, mask)] = list(reader.token_arrays([4]))  # whole shard, no features read
+    assert torch.equal(ids, torch.cat([s.input_ids for s in shards[4]])) and ids.dtype == torch.int32
+    assert torch.equal(mask, torch.cat([s.loss_mask for s in shards[4]])) and mask.dtype == torch.uint8
     with pytest.raises(IndexError):
         reader.sample(5)
     reader.verify_shard(0)

@@ -164,3 +164,28 @@ def test_kill_and_resume_continues_at_next_step(cached_run, tiny_target_dir, tmp
     a = load_file(killed / "train/dspark/checkpoints/step-000010/drafter.safetensors")
     b = load_file(full / "train/dspark/checkpoints/step-000010/drafter.safetensors")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+@pytest.mark.integration
+def test_reduced_draft_vocabulary_built_from_the_cache(cached_run, tiny_target_dir, tmp_path):
+    """``draft_vocab_size``: d2t = the most frequent supervised tokens of the training shards."""
+    from cache_schema import CacheReader
+    from pipeline.train import run_train
+    from training.data import split_shards
+    from training.draft_vocab import build_d2t, count_supervised_tokens
+    from training.loop import load_trained_drafter
+
+    root, data = cached_run
+    run_dir = tmp_path / "vocab"
+    run_dir.mkdir()
+    (run_dir / "cache").symlink_to(root / "run" / "cache")
+    cfg = _cfg(tiny_target_dir, run_dir, data, "train.max_steps=2", "train.checkpoint_every_steps=100",
+               "++train.drafters.dspark.draft_vocab_size=40")
+    run_train(cfg)
+    reader = CacheReader(str(run_dir / "cache"))
+    split = split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards)
+    samples = [(s.input_ids, s.loss_mask) for s in reader.iter_samples(split.train)]
+    expected = build_d2t(count_supervised_tokens(samples, 512), 40)
+    model = load_trained_drafter(cfg, "dspark", tiny_target_dir)
+    assert torch.equal(model.d2t, expected)
+    assert model.markov_head.markov_w2.weight.shape == (40, 8)

@@ -170,7 +170,13 @@ def train_worker(config: dict[str, Any]) -> None:
         raise ValueError(f"the cache's {sum(split.counts[s] for s in split.train)} training samples make no full "
                          f"optimizer step of train.global_batch_samples={cfg.train.global_batch_samples}")
     spec = cfg.train.drafters[name]
-    model = build_drafter(spec, cfg, config["target_dir"])
+    d2t = None
+    if spec.draft_vocab_size is not None:  # the same on every rank: counted over all training shards
+        from training.draft_vocab import build_d2t, count_supervised_tokens
+
+        counts = count_supervised_tokens(reader.token_arrays(split.train), reader.fingerprint.target["vocab_size"])
+        d2t = build_d2t(counts, spec.draft_vocab_size)
+    model = build_drafter(spec, cfg, config["target_dir"], d2t)
     engine = make_engine(model, cfg.train.zero_stage, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                          total_steps=total, warmup_ratio=cfg.train.warmup_ratio, bf16=cfg.train.precision == "bf16",
                          micro_batch=cfg.train.micro_batch_samples, accumulation=accumulation,
