@@ -367,4 +367,5 @@ def render_verify(p: dict[str, Any]) -> str:
     if p["ok"]:
         return f"{head}: no problems"
     return "\n".join([table(p["problems"], ["shard", "sample", "sample_id", "check", "detail"]),
-                      f"{head}: {len(p['problems']):,} problems in shards {preview(p['shards_with_problems'])}"])
+                      f"{head}: {len(p['problems']):,} problem{'s' if len(p['problems']) != 1 else ''} in shard"
+                      f"{'s' if len(p['shards_with_problems']) != 1 else ''} {preview(p['shards_with_problems'])}"])

@@ -26,7 +26,7 @@ from cache_schema import (CacheSample, Fingerprint, StorageConfig, estimate_cach
 from cache_schema.layout import shard_name
 from pipeline.chats import BadRow, RowCounts, RowError, ShardSpan, iter_chats, plan_shards
 from pipeline.config import RunConfig
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, ShardPlanMismatchError
 from pipeline.render import render_chat, render_options
 from pipeline.storage import filesystem, join, resolve_input
 
@@ -192,6 +192,29 @@ def plan(cfg: RunConfig) -> list[tuple[int, ShardSpan]]:
     return plan_shards(input_files(cfg), cfg.cache.rows_per_shard, cfg.cache.max_rows)
 
 
+def check_plan(url: str, shards: list[tuple[int, ShardSpan]], committed: dict[int, dict[str, Any]]) -> None:
+    """Refuse to resume into shards committed under another plan.
+
+    A shard's rows are a function of the input files and ``rows_per_shard`` (``max_rows`` keeps whole
+    spans, so it only adds or drops shards); resume trusts
+    the shard index only if the committed shard holds exactly the rows this run plans for it (its commit
+    record's ``source`` and ``rows``), else rows would be silently skipped or cached twice.
+
+    Raises:
+        ShardPlanMismatchError: naming the first differing shard and the settings to restore.
+    """
+    for i, span in shards:
+        extra = committed.get(i)
+        if extra is None or "rows" not in extra:
+            continue
+        if (extra.get("source"), list(extra["rows"])) != (span.source, [span.row_start, span.row_end]):
+            raise ShardPlanMismatchError(
+                f"{url}: committed shard {i} holds rows {extra['rows'][0]}-{extra['rows'][1]} of input file "
+                f"{extra.get('source')}, but this run plans rows {span.row_start}-{span.row_end} of file "
+                f"{span.source} for it: data.train_files or cache.rows_per_shard changed since the cache "
+                "was written; restore them, or write to a new run_dir")
+
+
 def storage_config(cfg: RunConfig) -> StorageConfig:
     return StorageConfig(zstd_level=3 if cfg.cache.compression == "zstd" else None)
 
@@ -222,7 +245,9 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
     storage = storage_config(cfg)
     root = open_cache(root_url, fp, create=True, storage=storage)
     shards = plan(cfg)
-    done = set(root.committed_shards())
+    records = root.committed_records()
+    check_plan(root_url, shards, {i: r.extra for i, r in records.items()})
+    done = set(records)
     pending = [(i, s) for i, s in shards if i not in done]
     log.info("cache: %d shards planned, %d already committed, %d to write", len(shards), len(done), len(pending))
     run = {"shards_planned": len(shards), "shards_already_committed": len(done & {i for i, _ in shards}),
@@ -254,17 +279,25 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
         writers = rendered.map(ShardPrefillWriter, fn_constructor_args=(cfg, root_url, fp, storage),
                                compute=ray.data.ActorPoolStrategy(size=cfg.cache.num_workers),
                                num_gpus=cfg.cache.gpus_per_worker or None, num_cpus=1)
-        t0, n_tok, busy = time.perf_counter(), 0, 0.0
+        t0, n_tok, busy, written = time.perf_counter(), 0, 0.0, 0
         with tqdm(total=tokens, unit="tok", desc="cache", unit_scale=True) as bar:
             for meta in writers.iter_rows():
                 run["shards_written"] += 1
                 n_tok += meta["num_tokens"]
                 busy += meta["busy_seconds"]
                 bar.update(meta["num_tokens"])
-                bar.set_postfix(shards=run["shards_written"], MiB=f"{meta['bytes'] / 2**20:.1f}")
+                written += meta["bytes"]
+                bar.set_postfix(shards=run["shards_written"], MiB=f"{written / 2**20:.1f}")
         run["prefill_tokens_per_s"] = round(n_tok / max(time.perf_counter() - t0, 1e-9), 1)
         run["steady_tokens_per_s"] = round(n_tok * cfg.cache.num_workers / max(busy, 1e-9), 1)
-    return {**run, **cache_totals(root_url)}
+    totals = cache_totals(root_url)
+    skipped = ", ".join(f"{k} {v}" for k, v in totals["skipped_rows"].items()) or "none"
+    print(f"cache: {totals['samples']:,} samples in {totals['shards']} shards; skipped rows: {skipped}"
+          + (f" (reasons per row in {join(root_url, 'quarantine')})" if totals["skipped_rows"] else ""), flush=True)
+    if totals["samples"] == 0:
+        log.warning("cache: no usable sample in %s: every input row was skipped; check data.train_files "
+                    "(formats: OpenAI messages, ShareGPT conversations)", ", ".join(input_files(cfg)) or "no input")
+    return {**run, **totals}
 
 
 def cache_totals(root_url: str) -> dict[str, Any]:

@@ -167,7 +167,7 @@ def _iter_jsonl(fs, path: str, source: int, url: str, require_answer: bool,
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
-                yield BadRow(source, row, url, "invalid_json", e.msg + f" at column {e.colno}")
+                yield BadRow(source, row, url, "invalid_json", f"{e.msg} (column {e.colno})")
                 continue
             yield _parse(obj, source, row, url, require_answer)
 
@@ -226,6 +226,9 @@ def _open_input(url: str):
         raise BadInputFileError(f"{url}: unknown input format; use .jsonl or .parquet files")
     if not fs.exists(path):
         raise BadInputFileError(f"{url}: no such input file; check data.train_files / data.eval_files")
+    if fs.isdir(path):
+        raise BadInputFileError(f"{url} is a directory; list its .jsonl / .parquet files in data.train_files / "
+                                "data.eval_files")
     return fs, path
 
 

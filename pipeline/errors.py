@@ -18,3 +18,11 @@ class TargetNotFoundError(PipelineError):
 
 class BadInputFileError(PipelineError):
     """A whole input file is unreadable (missing, not JSONL/Parquet): the run stops."""
+
+
+class ShardPlanMismatchError(PipelineError):
+    """A resumed run would map other rows onto already committed shards (inputs or sharding changed)."""
+
+
+class MissingStageOutputError(PipelineError, FileNotFoundError):
+    """A stage needs what an earlier stage writes (e.g. a committed drafter checkpoint) and it is absent."""

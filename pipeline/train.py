@@ -35,11 +35,17 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.cache import cache_url
     from pipeline.cluster import init_ray
     from pipeline.target import resolve_target_path
+    from pipeline.errors import PipelineError
+    from training.data import split_shards
     from training.loop import train_worker
 
     target_dir = resolve_target_path(cfg.target.path)
     fp = expected_fingerprint(cfg, target_dir)
-    CacheReader(cache_url(cfg), fp)  # refuses a mismatching cache before any worker starts
+    reader = CacheReader(cache_url(cfg), fp)  # refuses a mismatching cache before any worker starts
+    try:  # an empty or too small cache is reported here, not as a worker traceback
+        split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards)
+    except ValueError as e:
+        raise PipelineError(f"{cache_url(cfg)}: {e}") from None
     init_ray(cfg.ray)
     results = {}
     for name in cfg.train.drafters:

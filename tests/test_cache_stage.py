@@ -12,7 +12,7 @@ import torch
 
 from cache_schema import CacheReader, FingerprintMismatchError
 from pipeline.cache import cache_url, plan, run_cache
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, ShardPlanMismatchError
 from pipeline.run import DEFAULT_CONFIG, load_config
 
 pytestmark = pytest.mark.integration
@@ -64,6 +64,12 @@ def test_cache_stage_counts_quarantine_and_resume(ray_local, tiny_target_dir, sh
     other = _cfg(tiny_target_dir, tmp_path / "run", shared_cases, "target.target_layer_ids=[0,2]")
     with pytest.raises(FingerprintMismatchError, match="target_layer_ids"):
         run_cache(other)
+    # other shard boundaries would silently skip or repeat rows: refused before any work
+    with pytest.raises(ShardPlanMismatchError, match="committed shard 0 holds rows 0-4 of input file 0, but this "
+                       "run plans rows 0-3 .*cache.rows_per_shard"):
+        run_cache(_cfg(tiny_target_dir, tmp_path / "run", shared_cases, "cache.rows_per_shard=3"))
+    assert run_cache(_cfg(tiny_target_dir, tmp_path / "run", shared_cases, "cache.max_rows=10"))["shards"] == 8
+    assert sorted(p.name for p in (tmp_path / "run/cache/commits").iterdir()) == [f"s{i:06d}.json" for i in range(8)]
 
 
 def test_storage_budget_stops_before_prefill(ray_local, tiny_target_dir, shared_cases, tmp_path):

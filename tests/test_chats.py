@@ -102,6 +102,9 @@ def test_parquet_rows_and_bad_file(tmp_path):
         list(iter_chats(str(bad), 0))
     with pytest.raises(BadInputFileError, match="no such input file"):
         list(iter_chats(str(tmp_path / "missing.jsonl"), 0))
+    (tmp_path / "adir.jsonl").mkdir()
+    with pytest.raises(BadInputFileError, match="adir.jsonl is a directory"):
+        list(iter_chats(str(tmp_path / "adir.jsonl"), 0))
     csv = tmp_path / "x.csv"
     csv.write_text("a,b\n")
     with pytest.raises(BadInputFileError, match="unknown input format"):

@@ -195,7 +195,7 @@ def test_verify_reports_a_changed_array_and_nan_with_the_sample(url, tmp_path, c
     assert [(q["shard"], q["sample"], q["sample_id"], q["check"]) for q in p["problems"]] == [
         (0, None, None, "checksum"), (0, 1, "0-1", "non_finite")]
     assert main(["verify", url, "--cursor", str(tmp_path / "c.jsonl")]) == 1
-    assert "2 problems in shards 0" in capsys.readouterr().out
+    assert "2 problems in shard 0" in capsys.readouterr().out
 
 
 # ---- sample -----------------------------------------------------------------------------------

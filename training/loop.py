@@ -263,15 +263,18 @@ def load_trained_drafter(cfg: RunConfig, name: str, target_dir: str):
     """The drafter ``name`` with the weights of its newest committed checkpoint (eval mode).
 
     Raises:
-        FileNotFoundError: no committed checkpoint under ``<run_dir>/train/<name>`` (run the train stage).
+        MissingStageOutputError (a FileNotFoundError): no committed checkpoint under
+        ``<run_dir>/train/<name>`` (run the train stage).
     """
     from safetensors.torch import load
     from training.checkpoint import latest_checkpoint
 
     found = latest_checkpoint(join(cfg.run_dir, "train", name))
     if found is None:
-        raise FileNotFoundError(f"no committed checkpoint for drafter {name!r} under {cfg.run_dir}/train/{name}: "
-                                "run +stage=train first")
+        from pipeline.errors import MissingStageOutputError
+
+        raise MissingStageOutputError(f"no committed checkpoint for drafter {name!r} under {cfg.run_dir}/train/{name}: "
+                                      "run +stage=train first")
     fs, path = filesystem(join(found[0], "drafter.safetensors"))
     weights = load(fs.cat_file(path))
     d2t = weights.get("d2t")
