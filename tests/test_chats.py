@@ -133,3 +133,19 @@ def test_spans_cover_every_row_once(shared_cases, tmp_path):
     plan = plan_shards([url, purl], 8, max_rows=30)
     # 21 + 8 rows < 30 after four spans, so a fifth one is kept
     assert [(i, s.source, s.row_start) for i, s in plan] == [(0, 0, 0), (1, 0, 8), (2, 0, 16), (3, 1, 0), (4, 1, 8)]
+
+
+def test_oversized_rows_skipped_before_decoding(tmp_path, monkeypatch):
+    from pipeline import chats
+
+    monkeypatch.setattr(chats, "MAX_ROW_BYTES", 200)
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    big = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x" * 300}]}
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps(o) + "\n" for o in (good, big, good)))
+    rows = list(iter_chats(str(path), 0))
+    assert [type(r).__name__ for r in rows] == ["Chat", "BadRow", "Chat"]
+    assert rows[1].reason == "row_too_large" and rows[1].row == 1 and "> 200" in rows[1].detail
+    pq.write_table(pa.Table.from_pylist([good, big]), tmp_path / "c.parquet")
+    rows = list(iter_chats(str(tmp_path / "c.parquet"), 0))
+    assert isinstance(rows[0], Chat) and rows[1].reason == "row_too_large" and rows[1].row == 1
