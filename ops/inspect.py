@@ -17,8 +17,9 @@ import fsspec
 import numpy as np
 import zarr
 
-from cache_schema import CacheReader, CacheRoot, ShardRecord, open_cache
-from cache_schema.layout import ROW, SHARDS_DIR, SOURCE, parse_shard_name, shard_group_key, shard_name
+from cache_schema import CacheReader, CacheRoot, CorruptRecordError, ShardRecord, open_cache
+from cache_schema.layout import (ROW, SHARDS_DIR, SOURCE, commit_key, parse_shard_name, shard_group_key,
+                                 shard_name)
 from ops.report import cell, human_bytes, key_values, table
 
 GROUP_METADATA = "(group metadata)"
@@ -72,8 +73,17 @@ def group_objects(root: CacheRoot, shard_index: int) -> dict[str, dict[str, Any]
 
 
 def open_group(root: CacheRoot, shard_index: int) -> zarr.Group:
-    """A shard's Zarr group, read-only (a missing object raises FileNotFoundError, not fill values)."""
-    return zarr.open_group(root.shard_store(shard_index, read_only=True), mode="r", zarr_format=3)
+    """A shard's Zarr group, read-only (a missing object raises FileNotFoundError, not fill values).
+
+    Raises:
+        CorruptRecordError: the shard's Zarr metadata cannot be parsed (names the fix).
+    """
+    try:
+        return zarr.open_group(root.shard_store(shard_index, read_only=True), mode="r", zarr_format=3)
+    except ValueError as exc:  # json.JSONDecodeError and zarr's metadata errors
+        raise CorruptRecordError(
+            f"shard {shard_index}: its zarr metadata is unreadable ({type(exc).__name__}: {exc}); the shard is "
+            f"damaged: delete {commit_key(shard_index)} under {root.url} and rerun the cache stage") from exc
 
 
 def sample_starts(records: dict[int, ShardRecord]) -> dict[int, int]:

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from cache_schema import CacheRoot, CorruptRecordError, Fingerprint, ShardNotCommittedError, ShardRecord
+from cache_schema import (CacheError, CacheRoot, CorruptRecordError, Fingerprint, ShardNotCommittedError,
+                          ShardRecord)
 from cache_schema.layout import (ATTR_CONTENT_HASHES, ATTR_ENCODING, ATTR_SAMPLE_IDS, BF16_BITS,
                                  FEATURE_SCALE, FEATURES, FP8_E4M3_BITS, INPUT_IDS, LAST_HIDDEN,
                                  LOSS_MASK, OFFSETS, ROW, SOURCE, SUP_OFFSETS, bits_to_bf16, commit_key)
@@ -39,7 +40,7 @@ from ops.report import preview, table
 
 BLOCK_BYTES = 64 * 2**20
 CURSOR_VERSION = 1
-READ_ERRORS = (FileNotFoundError, KeyError, ValueError, IndexError, TypeError, RuntimeError)
+READ_ERRORS = (FileNotFoundError, KeyError, ValueError, IndexError, TypeError, RuntimeError, CacheError)
 
 
 class VerifyInterrupted(Exception):

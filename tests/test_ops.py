@@ -351,3 +351,13 @@ def test_python_dash_m_ops_runs_as_a_module(url):
     out = subprocess.run([sys.executable, "-m", "ops", "du", url, "--json"], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and json.loads(out.stdout)["tokens"] == 10
+
+
+def test_corrupt_shard_metadata_is_a_damaged_shard_not_a_traceback(url, capsys):
+    build(url, {0: [make_sample(0, 5, row=0)], 1: [make_sample(1, 6, row=4)]})
+    (Path(url) / "shards" / "s000001" / "zarr.json").write_text("{garbage")
+    assert main(["sample", url, "--row", "0:4"]) == 1
+    err = capsys.readouterr().err
+    assert "shard 1: its zarr metadata is unreadable (JSONDecodeError" in err and "commits/s000001.json" in err
+    code, p = run(capsys, "verify", url)
+    assert code == 1 and {q["shard"] for q in p["problems"]} == {1}
