@@ -27,9 +27,9 @@ def tiny_config(run_dir: str, *overrides: str):
 @contextmanager
 def s3_server():
     """A moto S3 server on 127.0.0.1 with bucket ``bench``; AWS_* variables point every client at it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from pipeline.cluster import free_port
+
+    port = free_port()
     exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)

@@ -196,9 +196,13 @@ def check_plan(url: str, shards: list[tuple[int, ShardSpan]], committed: dict[in
     """Refuse to resume into shards committed under another plan.
 
     A shard's rows are a function of the input files and ``rows_per_shard`` (``max_rows`` keeps whole
-    spans, so it only adds or drops shards); resume trusts
-    the shard index only if the committed shard holds exactly the rows this run plans for it (its commit
-    record's ``source`` and ``rows``), else rows would be silently skipped or cached twice.
+    spans, so it only adds or drops shards); resume trusts the shard index only if the committed shard
+    holds exactly the rows this run plans for it (its commit record's ``source`` and ``rows``), else rows
+    would be silently skipped or cached twice.
+
+    Args:
+        url: the cache root (for the message). shards: ``(index, span)`` of this run's plan.
+        committed: shard index -> the ``extra`` dict of its commit record.
 
     Raises:
         ShardPlanMismatchError: naming the first differing shard and the settings to restore.

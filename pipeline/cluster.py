@@ -2,7 +2,14 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from pipeline.config import RayConfig
 
@@ -27,9 +34,8 @@ def init_ray(cfg: RayConfig) -> None:
     ctx.print_on_execution_start = False
 
 
-def _free_port() -> int:
-    import socket
-
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -47,18 +53,11 @@ def local_head(num_cpus: int, env: dict[str, str] | None = None, timeout_s: floa
     Raises:
         RuntimeError: the head's job API did not answer within ``timeout_s`` seconds.
     """
-    import shutil
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
     ray_bin = str(Path(sys.executable).parent / "ray")
     env = {**(os.environ if env is None else env), "RAY_AUTH_MODE": "disabled"}
     temp = Path("/tmp") / f"rh{os.getpid()}"
-    dash = _free_port()
-    ports = {flag: _free_port() for flag in ("port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+    dash = free_port()
+    ports = {flag: free_port() for flag in ("port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                              "metrics-export-port", "runtime-env-agent-port")}
     head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--temp-dir={temp}",
                              "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
@@ -84,10 +83,8 @@ def local_head(num_cpus: int, env: dict[str, str] | None = None, timeout_s: floa
 
 def submit(ray_bin: str, address: str, env: dict[str, str], entrypoint: list[str], timeout_s: float):
     """``ray job submit --address ADDRESS -- ENTRYPOINT``, retried while the head's job agent is still
-    starting (it may answer a few seconds after the dashboard). Returns the CompletedProcess."""
-    import subprocess
-    import time
-
+    starting (it may answer a few seconds after the dashboard). Returns the CompletedProcess; raises
+    subprocess.TimeoutExpired after ``timeout_s`` seconds of one attempt."""
     for _ in range(20):
         r = subprocess.run([ray_bin, "job", "submit", "--address", address, "--", *entrypoint], env=env,
                            capture_output=True, text=True, timeout=timeout_s)

@@ -18,18 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.cluster import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dspark-torch-extensions"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +44,7 @@ def s3_server():
     Sets AWS_ENDPOINT_URL / AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION for the
     session so that s3fs, boto3 and child processes find it with no extra options.
     """
-    port = _free_port()
+    port = free_port()
     exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
