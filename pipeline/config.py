@@ -51,6 +51,7 @@ class SequentialHead(str, Enum):
     markov = "markov"
     gated = "gated"
     rnn = "rnn"
+    control = "control"  # ablation: the Markov head's parameters fed the anchor + a slot vector
 
 
 @dataclass
@@ -137,12 +138,16 @@ class DrafterSpec:
 class TrainConfig:
     """Ray Train + DeepSpeed ZeRO training of every drafter in ``drafters`` on the same cache."""
 
-    drafters: dict[str, DrafterSpec] = field(default_factory=lambda: {"dspark": DrafterSpec()})
+    # No default drafter: a schema default would be merged back under a YAML's drafters, so that
+    # ``~train.drafters.dspark`` would silently train the Qwen3-4B-sized default instead.
+    drafters: dict[str, DrafterSpec] = field(default_factory=dict)
     num_workers: int = 2
+    concurrent_drafters: int = 1  # drafters trained at the same time, each by its own num_workers workers
     use_gpu: bool = False
     zero_stage: int = 2
     precision: str = "fp32"  # fp32 | bf16
     lr: float = 6e-4
+    adam_beta2: float = 0.999  # AdamW (0.9, beta2); torch's default
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -155,7 +160,10 @@ class TrainConfig:
     loss_tv: float = 0.9
     loss_conf: float = 1.0
     decay_lambda: float = 4.0
-    heldout_shards: int = 1
+    heldout_shards: int = 1  # the last non-empty shards: calibrate and the block-level evaluation
+    validation_shards: int = 0  # the shards before them: held-out learning curves during training
+    validate_every_steps: int = 50
+    validation_samples: int = 256  # at most this many validation samples per evaluation
     checkpoint_every_steps: int = 200
     max_failures: int = 2  # Ray Train restarts of a failed worker group (from the last checkpoint)
     seed: int = 0
@@ -180,6 +188,8 @@ class EvaluateConfig:
     thresholds: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.5, 0.7])
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 256])
     sps_table: Optional[str] = None  # JSON SPS curve; profiled on this machine when unset
+    block_samples: int = 256  # held-out cache samples of the paired block-level evaluation (0 = off)
+    block_anchors: int = 64  # anchors per held-out sample there (blocks = samples x anchors at most)
     seed: int = 0
 
 
@@ -234,6 +244,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.cache.max_tokens_per_batch >= cfg.data.max_length, "cache.max_tokens_per_batch",
            f"must be >= data.max_length ({cfg.data.max_length}) so every sample fits a batch")
     _check(cfg.train.lr > 0, "train.lr", f"must be > 0 (got {cfg.train.lr})")
+    _check(cfg.train.concurrent_drafters >= 1, "train.concurrent_drafters", "must be >= 1")
+    _check(0 < cfg.train.adam_beta2 < 1, "train.adam_beta2", f"must be in (0, 1) (got {cfg.train.adam_beta2})")
     _check(0 <= cfg.train.warmup_ratio < 1, "train.warmup_ratio", "must be in [0, 1)")
     _check(cfg.train.zero_stage in (0, 1, 2, 3), "train.zero_stage", "must be 0, 1, 2 or 3")
     _check(cfg.train.precision in ("fp32", "bf16"), "train.precision", "must be fp32 or bf16")
@@ -250,6 +262,11 @@ def validate(cfg: RunConfig) -> RunConfig:
         _check(has_rank == (spec.head != SequentialHead.none), f"{key}.markov_rank",
                f"must be > 0 exactly when head != none (head={spec.head.value}, "
                f"markov_rank={spec.markov_rank}); markov_rank=0 means DFlash")
+    _check(cfg.train.validation_shards >= 0, "train.validation_shards", "must be >= 0 (0 = no learning curve)")
+    _check(cfg.train.validate_every_steps >= 1, "train.validate_every_steps", "must be >= 1")
+    _check(cfg.train.validation_samples >= 1, "train.validation_samples", "must be >= 1")
+    _check(cfg.evaluate.block_samples >= 0, "evaluate.block_samples", "must be >= 0 (0 = no block-level evaluation)")
+    _check(cfg.evaluate.block_anchors >= 1, "evaluate.block_anchors", "must be >= 1")
     _check(cfg.calibrate.bins >= 2, "calibrate.bins", "must be >= 2")
     _check(0 < cfg.calibrate.grid_step < 1, "calibrate.grid_step", "must be in (0, 1)")
     _check(all(t >= 0 for t in cfg.evaluate.temperatures), "evaluate.temperatures", "must be >= 0")

@@ -23,7 +23,8 @@ def tau_table(results: dict[str, Any], scheduler: dict[str, Any]) -> str:
     for key, res in results.items():
         for name, r in res["drafters"].items():
             o = r["overall"]
-            lines.append(f"| {key[2:]} | {name} | {o['tau']:.3f} | {o['verified_per_round']:.2f} | "
+            se = f" ± {o['tau_se']:.3f}" if o.get("tau_se") is not None else ""
+            lines.append(f"| {key[2:]} | {name} | {o['tau']:.3f}{se} | {o['verified_per_round']:.2f} | "
                          f"{o['tokens_per_s']:.1f} | {o['speedup_vs_target']:.2f}x |")
         lines.append(f"| {key[2:]} | (target alone) | 1.000 | - | {res['target_tokens_per_s']:.1f} | 1.00x |")
     ratios = []

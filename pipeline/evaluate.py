@@ -39,9 +39,23 @@ def eval_prompts(cfg: RunConfig, tokenizer) -> list[tuple[str, list[int]]]:
     return out
 
 
+def tau_standard_error(runs: list[Decoded]) -> float | None:
+    """Standard error of tau = (sum of tokens per round) / rounds, prompts as clusters (rounds of
+    one prompt are not independent): the delta method for a ratio of means,
+    ``SE = sqrt(sum_i (s_i - tau n_i)^2 / (k (k - 1))) / mean(n)`` over k prompts with n_i rounds
+    and s_i = sum of (accepted + 1). None with fewer than 2 prompts."""
+    n = np.array([len(d.rounds) for d in runs if d.rounds], dtype=float)
+    s = np.array([sum(r.accepted + 1 for r in d.rounds) for d in runs if d.rounds], dtype=float)
+    if len(n) < 2:
+        return None
+    tau = s.sum() / n.sum()
+    return float(np.sqrt(((s - tau * n) ** 2).sum() / (len(n) * (len(n) - 1))) / n.mean())
+
+
 def round_metrics(runs: list[Decoded], gamma: int) -> dict[str, Any]:
-    """tau (tokens per round incl. the bonus), conditional acceptance and survival per position
-    (over rounds that verified that position), verified tokens and times per round."""
+    """tau (tokens per round incl. the bonus) with its standard error (:func:`tau_standard_error`),
+    conditional acceptance and survival per position (over rounds that verified that position),
+    verified tokens and times per round."""
     rounds = [r for d in runs for r in d.rounds]
     if not rounds:
         return {"rounds": 0}
@@ -55,7 +69,8 @@ def round_metrics(runs: list[Decoded], gamma: int) -> dict[str, Any]:
         surv.append(float((acc[seen] >= k).mean()) if seen.any() else None)
     tokens = sum(len(d.tokens) for d in runs)
     seconds = sum(d.seconds for d in runs)
-    return {"rounds": len(rounds), "tau": float((acc + 1).mean()), "verified_per_round": float(ver.mean()),
+    return {"rounds": len(rounds), "tau": float((acc + 1).mean()), "tau_se": tau_standard_error(runs),
+            "verified_per_round": float(ver.mean()),
             "conditional_acceptance": cond, "survival": surv, "tokens": tokens,
             "tokens_per_s": tokens / max(seconds, 1e-9),
             "draft_ms_per_round": 1e3 * float(np.mean([r.draft_s for r in rounds])),
@@ -89,10 +104,61 @@ def _block_records(runs: list[Decoded], temperatures: list[float] | None) -> tup
     return outcomes, torch.sigmoid(z / t).numpy()
 
 
-def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
-    """``+stage=evaluate``: tau tables (T in ``evaluate.temperatures``), thresholds, scheduler.
+def block_pairs(drafters: dict[str, Any]) -> list[tuple[str, str]]:
+    """Ratios to report: every drafter with a sequential head over every one without (DFlash), and
+    every Markov-family drafter over every control (the ablation, DSpark / control)."""
+    kinds = {n: ("none" if m.markov_head is None else m.config.head_type) for n, m in drafters.items()}
+    pairs = [(a, b) for a in kinds for b in kinds if kinds[a] != "none" and kinds[b] == "none"]
+    return pairs + [(a, b) for a in kinds for b in kinds if kinds[a] not in ("none", "control")
+                    and kinds[b] == "control"]
 
-    Writes ``<run_dir>/evaluate/`` ``tau_table.md``, ``tau.png``, ``acceptance.png``, ``sps.json``.
+
+def block_level(cfg: RunConfig, drafters: dict[str, Any], target_dir: str) -> dict[str, Any]:
+    """Paired block-level speculative sampling of every drafter on the held-out cache shards
+    (:func:`training.block_runner.evaluate_blocks`): the first ``evaluate.block_samples`` held-out
+    samples, ``evaluate.block_anchors`` anchors each, at ``evaluate.temperatures``.
+
+    Returns:
+        :func:`training.block_eval.summarise` with pair keys written ``"a/b"`` and ``table`` (markdown).
+    """
+    from cache_schema import CacheReader
+    from pipeline.cache import cache_url
+    from pipeline.train import expected_fingerprint
+    from training.block_eval import format_table, summarise
+    from training.block_runner import evaluate_blocks
+    from training.data import as_mapping, split_shards
+
+    reader = CacheReader(cache_url(cfg), expected_fingerprint(cfg, target_dir))
+    split = split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards,
+                         cfg.train.validation_shards)
+
+    def batches():
+        batch, seen = [], 0
+        for sample in reader.iter_samples(split.heldout):
+            if seen == cfg.evaluate.block_samples:
+                break
+            batch.append(as_mapping(sample))
+            seen += 1
+            if len(batch) == cfg.train.micro_batch_samples:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    tally = evaluate_blocks(drafters, batches(), temperatures=cfg.evaluate.temperatures,
+                            num_anchors=cfg.evaluate.block_anchors)
+    summary = summarise(tally, pairs=block_pairs(drafters))
+    table = format_table(summary)
+    summary["pairs"] = {f"{a}/{b}": v for (a, b), v in summary["pairs"].items()}
+    return {**summary, "heldout_shards": list(split.heldout), "table": table}
+
+
+def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
+    """``+stage=evaluate``: paired block-level tau on held-out cache blocks (:func:`block_level`),
+    then the decoding loop: tau tables (T in ``evaluate.temperatures``), thresholds, scheduler.
+
+    Writes ``<run_dir>/evaluate/`` ``block_table.md``, ``tau_table.md``, ``tau.png``,
+    ``acceptance.png``, ``sps.json``.
     """
     from pipeline.eval_report import plot_acceptance, tau_table, write_text
     from pipeline.prefill import LayerTap
@@ -101,13 +167,20 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.target import load_target
     from training.loop import load_trained_drafter
 
+    from pipeline.target import resolve_target_path
+
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    target_dir = resolve_target_path(cfg.target.path)  # drafters first: a config they refuse costs nothing
+    drafters = {n: load_trained_drafter(cfg, n, target_dir) for n in cfg.train.drafters}
     model, tok, target_dir = load_target(cfg.target)
     prompts = eval_prompts(cfg, tok)
     if not prompts:
         raise ValueError("no usable evaluation prompt in data.eval_files")
     stop = {tok.eos_token_id, *np.atleast_1d(model.generation_config.eos_token_id or []).tolist()} - {None}
-    drafters = {n: load_trained_drafter(cfg, n, target_dir) for n in cfg.train.drafters}
+    blocks = block_level(cfg, drafters, target_dir) if cfg.evaluate.block_samples else None
+    if blocks is not None:
+        write_text(join(cfg.run_dir, "evaluate", "block_table.md"), blocks["table"])
+        print(blocks["table"], flush=True)
     tap = LayerTap(model, cfg.target.target_layer_ids)
     ev, common = cfg.evaluate, {"max_new_tokens": cfg.evaluate.max_new_tokens, "stop_ids": stop}
     results: dict[str, Any] = {}
@@ -150,7 +223,7 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
     write_text(join(out_dir, "tau_table.md"), table)
     plot_acceptance(results, join(out_dir, "acceptance.png"), join(out_dir, "tau.png"))
     print(table, flush=True)
-    return {"prompts": len(prompts), "tasks": sorted({t for t, _ in prompts}), "render_options": render_options(cfg.data.render),
+    return {"blocks": blocks, "prompts": len(prompts), "tasks": sorted({t for t, _ in prompts}), "render_options": render_options(cfg.data.render),
             "results": results, "thresholds": thresholds, "scheduler": scheduler,
             "sps": {"batch_tokens": sps.batch_tokens.tolist(), "steps_per_s": sps.steps_per_s.tolist(),
                     "source": ev.sps_table or "profiled on this machine"}}

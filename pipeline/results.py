@@ -13,9 +13,15 @@ def _read(url: str) -> dict[str, Any] | None:
         return None
 
 
+def _tau_cell(overall: dict[str, Any]) -> str:
+    se = overall.get("tau_se")
+    return f"{overall['tau']:.3f}" + ("" if se is None else f" ± {se:.3f}")
+
+
 def results_table(run_dir: str, stages: dict[str, dict[str, Any]]) -> str:
-    """Markdown: tau per drafter at each temperature with the DSpark/DFlash ratio, ECE before/after
-    STS per position, cache bytes per token, and every stage's time."""
+    """Markdown: decoding-loop tau per drafter at each temperature with the DSpark/DFlash ratio, the
+    paired block-level table, the held-out learning curves' end points, ECE before/after STS per
+    position, cache bytes per token, and every stage's time."""
     lines = [f"# Results of {run_dir}", ""]
     ev = stages.get("evaluate") or _read(join(run_dir, "evaluate", "summary.json"))
     if ev:
@@ -23,13 +29,24 @@ def results_table(run_dir: str, stages: dict[str, dict[str, Any]]) -> str:
         names = sorted({n for r in ev["results"].values() for n in r["drafters"]})
         lines += ["| drafter | " + " | ".join(f"tau {t}" for t in temps) + " |", "|---|" + "---|" * len(temps)]
         for n in names:
-            cells = [f"{ev['results'][t]['drafters'][n]['overall']['tau']:.3f}" for t in temps]
+            cells = [_tau_cell(ev["results"][t]["drafters"][n]["overall"]) for t in temps]
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
         if {"dspark", "dflash"} <= set(names):
             ratio = [ev["results"][t]["drafters"]["dspark"]["overall"]["tau"]
                      / ev["results"][t]["drafters"]["dflash"]["overall"]["tau"] for t in temps]
             lines.append("| DSpark / DFlash | " + " | ".join(f"{r:.3f}" for r in ratio) + " |")
         lines.append("")
+    if ev and ev.get("blocks"):
+        b = ev["blocks"]
+        lines += [f"Paired block-level speculative sampling on held-out cache blocks (shards {b['heldout_shards']}; "
+                  "same anchors and random numbers for every drafter; ± is one standard error):", "",
+                  b["table"]]
+    train = stages.get("train") or _read(join(run_dir, "train", "summary.json")) or {}
+    curves = [f"{n} {d['validation']['last']['tau_expected']:.3f} at step {d['validation']['last']['step']} "
+              f"(best {d['validation']['best']['tau_expected']:.3f} at {d['validation']['best']['step']})"
+              for n, d in sorted(train.get("drafters", {}).items()) if d.get("validation")]
+    if curves:
+        lines.append("held-out learning curves (validation shards, tau_expected): " + ", ".join(curves))
     cal = stages.get("calibrate") or _read(join(run_dir, "calibrate", "summary.json")) or {}
     taus = [f"{n} {d['heldout_tau_expected']:.3f} (block size {d['block_size']})"
             for n, d in sorted(cal.get("drafters", {}).items()) if "heldout_tau_expected" in d]

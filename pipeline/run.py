@@ -20,6 +20,7 @@ from pipeline.config import STAGE_ORDER, RunConfig, Stage, to_dict, to_run_confi
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.storage import join, write_json
 from pipeline.target import resolve_target_path
+from training.checkpoint import CheckpointError
 
 log = logging.getLogger("pipeline")
 
@@ -144,7 +145,7 @@ def _hydra_entry() -> None:
     def _main(raw: DictConfig) -> None:
         try:
             run_stages(to_run_config(raw))
-        except (PipelineError, CacheError) as e:
+        except (PipelineError, CacheError, CheckpointError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
 

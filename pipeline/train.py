@@ -6,6 +6,7 @@ against the training config (before any worker starts) and launches the trainers
 from __future__ import annotations
 
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pipeline.config import RunConfig
@@ -20,6 +21,30 @@ def expected_fingerprint(cfg: RunConfig, target_dir: str):
 
     return target_fingerprint(cfg, _tokenizer(target_dir), target_dir,
                               AutoConfig.from_pretrained(target_dir, local_files_only=True))
+
+
+def _finished(cfg: RunConfig, name: str, total: int) -> dict[str, Any] | None:
+    """The result of a drafter whose newest committed checkpoint is its last step, else None.
+
+    Raises:
+        CheckpointError: that checkpoint was trained as another model than the config now says
+            (:func:`training.record.check_record`), before any worker starts.
+    """
+    from training.checkpoint import latest_checkpoint
+    from training.loop import drafter_config, recorded_config
+    from training.record import check_record
+
+    train_url = join(cfg.run_dir, "train", name)
+    found = latest_checkpoint(train_url)
+    if found is not None:
+        current = drafter_config(cfg.train.drafters[name], cfg)
+        check_record(recorded_config(found[1], found[0], current), current, drafter=name, where=found[0])
+    if found is None or found[1]["step"] != total or found[1].get("total_steps") != total:
+        return None
+    try:
+        return read_json(join(train_url, "result.json"))
+    except FileNotFoundError:
+        return None
 
 
 def run_train(cfg: RunConfig) -> dict[str, Any]:
@@ -37,18 +62,29 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.target import resolve_target_path
     from pipeline.errors import PipelineError
     from training.data import split_shards
-    from training.loop import train_worker
+    from training.loop import plan_steps, total_steps, train_worker
 
     target_dir = resolve_target_path(cfg.target.path)
     fp = expected_fingerprint(cfg, target_dir)
     reader = CacheReader(cache_url(cfg), fp)  # refuses a mismatching cache before any worker starts
     try:  # an empty or too small cache is reported here, not as a worker traceback
-        split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards)
+        split = split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards,
+                             cfg.train.validation_shards)
     except ValueError as e:
         raise PipelineError(f"{cache_url(cfg)}: {e}") from None
+    total = total_steps(plan_steps(split, cfg, cfg.train.num_workers), cfg, cfg.train.num_workers)
+    if total == 0:
+        raise PipelineError(
+            f"{cache_url(cfg)}: the {len(split.train)} training shards ({sum(split.counts[s] for s in split.train)} "
+            f"samples) give a rank of train.num_workers={cfg.train.num_workers} no full optimizer step of "
+            f"train.global_batch_samples={cfg.train.global_batch_samples} (each rank reads whole shards): cache "
+            "more rows, use a smaller cache.rows_per_shard, fewer workers or a smaller global batch")
+    results = {name: _finished(cfg, name, total) for name in cfg.train.drafters}
+    if all(r is not None for r in results.values()):  # nothing to do: no Ray, no workers
+        return {"drafters": results}
     init_ray(cfg.ray)
-    results = {}
-    for name in cfg.train.drafters:
+
+    def fit(name: str) -> dict[str, Any]:
         trainer = TorchTrainer(
             train_worker,
             train_loop_config={"cfg": cfg, "drafter": name, "fingerprint": fp.to_json(), "target_dir": target_dir},
@@ -56,5 +92,10 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
             run_config=ray.train.RunConfig(name=f"dspark-train-{name}", storage_path=tempfile.mkdtemp(),
                                            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures)))
         trainer.fit()
-        results[name] = read_json(join(cfg.run_dir, "train", name, "result.json"))
+        return read_json(join(cfg.run_dir, "train", name, "result.json"))
+
+    todo = [n for n, r in results.items() if r is None]
+    with ThreadPoolExecutor(max_workers=cfg.train.concurrent_drafters) as pool:  # each fit() blocks its thread
+        for name, result in zip(todo, pool.map(fit, todo)):
+            results[name] = result
     return {"drafters": results}

@@ -27,7 +27,7 @@ SPEC = BuildSpec(vocab_size=512, max_train_chats=96, max_heldout_chats=16, modul
                                    warmup_steps=20, eval_tokens=8192))
 
 REDUCED = ["generate.max_rows=48", "generate.rows_per_shard=16", "generate.max_new_tokens=48",
-           "generate.batch_size=16", "cache.rows_per_shard=16", "data.max_length=256",
+           "generate.batch_size=16", "cache.rows_per_shard=8", "data.max_length=256",
            "target.target_layer_ids=[0,1]", "train.epochs=3", "train.global_batch_samples=8",
            "train.micro_batch_samples=4", "train.checkpoint_every_steps=10",
            "train.drafters.dflash.block_size=4", "train.drafters.dspark.block_size=4",

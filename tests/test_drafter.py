@@ -197,3 +197,28 @@ def test_invalid_configs_are_refused(tiny_qwen3):
                 tiny_qwen3.model.embed_tokens.weight, tiny_qwen3.lm_head.weight)
     with pytest.raises(ValueError, match="d2t"):
         _drafter(tiny_qwen3, draft_vocab_size=32)
+
+
+def test_block_runner_closed_form_equals_the_training_c_star(tiny_qwen3, samples):
+    """The block-level evaluator's logits are the drafter's own: its closed-form tau at T=1 equals
+    the loss's ``tau_expected`` on the same anchors; paired drafters share the blocks."""
+    from training.block_eval import summarise
+    from training.block_runner import evaluate_blocks
+    from training.blocks import sample_anchors
+
+    drafters = {"dspark": _drafter(tiny_qwen3).eval(),
+                "dflash": _drafter(tiny_qwen3, markov_rank=0, sample_from_anchor=False, block_size=6).eval(),
+                "control": _drafter(tiny_qwen3, head_type="control").eval()}
+    tally = evaluate_blocks(drafters, [samples], temperatures=[0.0, 1.0], num_anchors=16, seed=3)
+    summary = summarise(tally, pairs=[("dspark", "dflash"), ("dspark", "control")])
+    batch = collate_samples(samples)
+    anchors, keep = sample_anchors(batch.loss_mask, 16, torch.Generator().manual_seed(3))
+    for name, d in drafters.items():
+        blocks = build_blocks(batch.input_ids, batch.loss_mask, anchors, keep, block_size=d.config.block_size,
+                              sample_from_anchor=d.config.sample_from_anchor, mask_token_id=MASK)
+        with torch.no_grad():
+            want = d.loss(d(batch, blocks), LossConfig()).metrics["tau_expected"]
+        got = summary["drafters"][name][1.0]
+        assert got["n"] == int(keep.sum()) == 32 and got["tau_expected"] == pytest.approx(float(want), abs=1e-5)
+        assert 1.0 <= got["tau"] <= 1 + d.config.block_size
+    assert summary["pairs"][("dspark", "dflash")][1.0]["n"] == 32

@@ -4,15 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.heads import (ConfidenceHead, GatedMarkovHead, MarkovHead, RNNHead, build_sequential_head,
-                            draft_probs, sample_sequential)
+from training.heads import (ConfidenceHead, ControlHead, GatedMarkovHead, MarkovHead, RNNHead,
+                            build_sequential_head, draft_probs, sample_sequential)
 
 V, VD, R, H, S = 40, 40, 6, 8, 5
 
 
 def _head(cls, vd=VD, seed=0):
     torch.manual_seed(seed)
-    head = cls(V, vd, R, H)
+    head = cls(V, vd, R, H, S)
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0, 1.0)
@@ -39,7 +39,29 @@ def test_markov_sampling_q_is_softmax_of_base_plus_bias_of_sampled_prefix():
     assert torch.equal(again, tokens)
 
 
-@pytest.mark.parametrize("cls", [MarkovHead, GatedMarkovHead, RNNHead])
+def test_control_head_uses_anchor_and_slot_vector_never_the_previous_token():
+    """``u_k = W1[x_0] + e_k`` (reference formula), in teacher forcing and in slot-by-slot sampling."""
+    head = _head(ControlHead)
+    markov = _head(MarkovHead)
+    assert sum(p.numel() for p in head.parameters()) == sum(p.numel() for p in markov.parameters()) + S * R
+    g = torch.Generator().manual_seed(3)
+    base, hidden = torch.randn(2, S, V, generator=g), torch.randn(2, S, H, generator=g)
+    anchor = torch.tensor([4, 9])
+    tokens, q, prev = sample_sequential(base, hidden, anchor, head, 0.9, torch.Generator().manual_seed(6))
+    w1, w2, e = head.markov_w1.weight, head.markov_w2.weight, head.slot_embed.weight
+    for b in range(2):
+        for k in range(S):
+            want = torch.softmax((base[b, k] + w2 @ (w1[anchor[b]] + e[k])) / 0.9, dim=-1)
+            assert torch.allclose(q[b, k], want, atol=1e-6)
+    other = prev.clone()
+    other[:, 1:] = (other[:, 1:] + 1) % V  # change every previous token but the anchor
+    assert torch.equal(head.features(prev, hidden), head.features(other, hidden))
+    assert torch.allclose(head.features(prev, hidden)[1, 3], w1[9] + e[3])
+    with pytest.raises(ValueError, match="block size"):
+        ControlHead(V, VD, R, H, 0)
+
+
+@pytest.mark.parametrize("cls", [MarkovHead, GatedMarkovHead, RNNHead, ControlHead])
 def test_sampling_q_matches_teacher_forced_training_logits(cls):
     """Inference (slot by slot) and training (teacher forcing on the same prefix) give the same q."""
     head = _head(cls)

@@ -19,7 +19,7 @@ from training.data import micro_steps_per_epoch, rank_order, split_shards
 from training.engine import lr_lambda
 
 TRAIN = ["train.num_anchors=8", "train.drafters.dspark.markov_rank=8", "train.drafters.dspark.num_layers=1",
-         "~train.drafters.dflash", "train.micro_batch_samples=4", "train.global_batch_samples=16", "train.lr=3e-3"]
+         "~train.drafters.dflash", "train.num_workers=2", "train.concurrent_drafters=1", "train.micro_batch_samples=4", "train.global_batch_samples=16", "train.lr=3e-3"]
 
 
 def _chats(path: Path, n: int):
@@ -67,8 +67,12 @@ def test_rank_order_partitions_each_epoch():
     assert rank_order(split, seed=0, epoch=2, rank=0, world=2) != orders[0]
     n = micro_steps_per_epoch(split, seed=0, epoch=1, world=2, micro_batch=2, accumulation=2)
     assert n == (min(len(o) for o in orders) // 2) // 2 * 2
-    with pytest.raises(ValueError, match="leaves none to train on"):
+    with pytest.raises(ValueError, match="leave none to train on"):
         split_shards({0: 3}, heldout_shards=1)
+    three = split_shards({0: 5, 1: 4, 2: 6, 3: 0, 4: 3}, heldout_shards=1, validation_shards=1)
+    assert three.train == (0, 1) and three.validation == (2,) and three.heldout == (4,)
+    with pytest.raises(ValueError, match="validation_shards=2 leave none"):
+        split_shards({0: 5, 1: 4, 2: 6}, heldout_shards=1, validation_shards=2)
 
 
 def test_checkpoint_refuses_missing_rank_part(tmp_path):
@@ -114,13 +118,25 @@ def test_zero2_loss_falls_and_matches_ddp(cached_run, tiny_target_dir, tmp_path)
         run_dir.mkdir()
         (run_dir / "cache").symlink_to(root / "run" / "cache")
         s = run_train(_cfg(tiny_target_dir, run_dir, data, f"train.zero_stage={stage}", "train.max_steps=8",
-                           "train.checkpoint_every_steps=100"))
+                           "train.checkpoint_every_steps=100", "train.validation_shards=1",
+                           "train.validate_every_steps=3"))
         assert s["drafters"]["dspark"]["world_size"] == 2
         runs[stage] = _losses(run_dir)
-    steps, z2 = runs[2]
+        rows = [json.loads(x) for x in (run_dir / "train/dspark/metrics.jsonl").read_text().splitlines()]
+        val = {r["step"]: r for r in rows if "val_tau_expected" in r}
+        assert sorted(val) == [3, 6, 8]  # every 3 steps and the last one
+        runs[stage] += ([val[k]["val_tau_expected"] for k in sorted(val)],)
+        curves = s["drafters"]["dspark"]["validation"]
+        assert curves["last"]["step"] == 8 and curves["points"] == 3
+        assert curves["best"]["tau_expected"] == max(v["val_tau_expected"] for v in val.values())
+        assert all(1.0 <= v["val_tau_expected"] <= 8 and len(v["val_acceptance_per_position"]) == 7
+                   and v["val_blocks"] > 0 for v in val.values())
+        assert (run_dir / "train/dspark/curves.png").stat().st_size > 10_000
+    steps, z2, val2 = runs[2]
     assert steps == list(range(1, 9))
     assert sum(z2[-3:]) / 3 < sum(z2[:3]) / 3  # the loss falls
     torch.testing.assert_close(torch.tensor(z2), torch.tensor(runs[0][1]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(val2), torch.tensor(runs[0][2]), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.integration
@@ -156,8 +172,8 @@ def test_kill_and_resume_continues_at_next_step(cached_run, tiny_target_dir, tmp
                           timeout=400).returncode == 0
     assert subprocess.run(cli(full), env=env, capture_output=True, timeout=400).returncode == 0
     steps, losses = _losses(killed)
-    resumed = steps[steps.index(ckpt_step + 1, 1):] if steps.count(ckpt_step + 1) > 1 else steps[ckpt_step:]
-    assert resumed == list(range(ckpt_step + 1, 11))  # continues at N + 1
+    assert steps == list(range(1, 11))  # one row per step: the killed attempt's later rows are dropped
+    resumed = steps[ckpt_step:]
     full_steps, full_losses = _losses(full)
     assert full_steps == list(range(1, 11))
     torch.testing.assert_close(torch.tensor(losses[-len(resumed):]), torch.tensor(full_losses[ckpt_step:]))
@@ -189,3 +205,76 @@ def test_reduced_draft_vocabulary_built_from_the_cache(cached_run, tiny_target_d
     model = load_trained_drafter(cfg, "dspark", tiny_target_dir)
     assert torch.equal(model.d2t, expected)
     assert model.markov_head.markov_w2.weight.shape == (40, 8)
+
+
+def test_metrics_log_keeps_one_row_per_step_across_a_resume(tmp_path):
+    from training.loop import MetricsLog
+
+    url = str(tmp_path / "train" / "metrics.jsonl")
+    first = MetricsLog(url, 0)
+    for step in range(1, 8):
+        first.add({"step": step, "loss": float(step)})
+    first.flush()  # the killed attempt got to step 7; its last checkpoint was step 4
+    again = MetricsLog(url, 4)
+    assert [r["step"] for r in again.rows] == [1, 2, 3, 4]
+    for step in range(5, 9):
+        again.add({"step": step, "loss": -float(step)})
+    again.flush()
+    rows = [json.loads(x) for x in Path(url).read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9)) and rows[4]["loss"] == -5.0
+
+
+def test_validation_batches_are_whole_and_equal_per_rank():
+    from types import SimpleNamespace
+
+    from training.validation import validation_batches
+
+    counts = {0: 5, 1: 7, 2: 9, 3: 3}
+    reader = SimpleNamespace(shards=[0, 1, 2, 3], records={s: SimpleNamespace(num_samples=n) for s, n in counts.items()})
+    split = split_shards(counts, heldout_shards=1, validation_shards=1)  # validation = shard 2 (9 samples)
+    assert validation_batches(split, reader, micro_batch=2, max_samples=100, world=1) == \
+        [[12, 13], [14, 15], [16, 17], [18, 19]]
+    assert len(validation_batches(split, reader, micro_batch=2, max_samples=100, world=3)) == 3
+    assert validation_batches(split, reader, micro_batch=2, max_samples=5, world=1) == [[12, 13], [14, 15]]
+    assert validation_batches(split_shards(counts, 1), reader, micro_batch=2, max_samples=9, world=1) == []
+
+
+@pytest.mark.integration
+def test_later_stages_refuse_a_config_that_disagrees_with_the_checkpoint(cached_run, tiny_target_dir, tmp_path):
+    """The checkpoint records its model; calibrate, export and evaluate build from that record and
+    refuse, before any compute, a config whose drafter differs (no weight shape would notice)."""
+    from pipeline.calibrate import run_calibrate
+    from pipeline.evaluate import run_evaluate
+    from pipeline.export import run_export
+    from pipeline.train import run_train
+
+    root, data = cached_run
+    run_dir = tmp_path / "record"
+    run_dir.mkdir()
+    (run_dir / "cache").symlink_to(root / "run" / "cache")
+    base = ("train.max_steps=2", "train.checkpoint_every_steps=100", f"data.eval_files=[{data}]",
+            "evaluate.num_prompts=2", "evaluate.max_new_tokens=4", "evaluate.block_samples=4")
+    run_train(_cfg(tiny_target_dir, run_dir, data, *base))
+    state = json.loads((run_dir / "train/dspark/checkpoints/step-000002/COMMITTED.json").read_text())
+    assert state["model"]["block_size"] == 7 and state["model"]["target_layer_ids"] == [0, 1, 2]
+    assert state["cache_fingerprint"] and state["reduced_vocabulary"] is False
+    changes = {"block_size": "train.drafters.dspark.block_size=3",
+               "sample_from_anchor": "train.drafters.dspark.sample_from_anchor=false",
+               "mask_token_id": "train.drafters.dspark.mask_token_id=9",
+               "target_layer_ids": "target.target_layer_ids=[0,1,3]"}
+    for field, override in changes.items():
+        cfg = _cfg(tiny_target_dir, run_dir, data, *base, override)
+        for stage in (run_export, run_calibrate, run_evaluate, run_train):
+            t0 = time.time()
+            with pytest.raises((CheckpointError, FingerprintMismatchError), match=field):
+                stage(cfg)
+            assert time.time() - t0 < 30, (field, stage)
+    assert not (run_dir / "export").exists() and not (run_dir / "calibrate").exists()
+    exported = run_export(_cfg(tiny_target_dir, run_dir, data, *base))  # the unchanged config works
+    assert exported["drafters"]["dspark"]["architecture"] == "Qwen3DSparkModel"
+    with pytest.raises(CheckpointError, match="set train.drafters.dspark.block_size=7"):
+        run_export(_cfg(tiny_target_dir, run_dir, data, *base, changes["block_size"]))
+    del state["model"]  # a checkpoint of an older version: refused, its layout cannot be known
+    (run_dir / "train/dspark/checkpoints/step-000002/COMMITTED.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match="records no model config"):
+        run_export(_cfg(tiny_target_dir, run_dir, data, *base))

@@ -19,7 +19,8 @@ from cache_schema import CacheReader, CacheSample
 
 @dataclass(frozen=True)
 class ShardSplit:
-    """Committed shards split into training and held-out (calibrate, evaluate) shards.
+    """Committed shards split into training, validation (learning curves during training) and
+    held-out (calibrate, block-level evaluation) shards; the three sets are disjoint.
 
     ``counts`` maps every shard index to its sample count.
     """
@@ -27,20 +28,24 @@ class ShardSplit:
     train: tuple[int, ...]
     heldout: tuple[int, ...]
     counts: dict[int, int]
+    validation: tuple[int, ...] = ()
 
 
-def split_shards(counts: dict[int, int], heldout_shards: int) -> ShardSplit:
-    """Hold out the last ``heldout_shards`` non-empty shards (by index).
+def split_shards(counts: dict[int, int], heldout_shards: int, validation_shards: int = 0) -> ShardSplit:
+    """Hold out the last ``heldout_shards`` non-empty shards (by index) and, before them, the
+    ``validation_shards`` for the learning curves; the rest train.
 
     Raises:
-        ValueError: fewer than ``heldout_shards + 1`` non-empty shards (nothing left to train on).
+        ValueError: fewer than ``heldout_shards + validation_shards + 1`` non-empty shards.
     """
     full = [s for s in sorted(counts) if counts[s] > 0]
-    if len(full) <= heldout_shards:
-        raise ValueError(f"the cache has {len(full)} non-empty shards; train.heldout_shards={heldout_shards} "
-                         "leaves none to train on: cache more rows or lower train.heldout_shards")
+    if len(full) <= heldout_shards + validation_shards:
+        raise ValueError(f"the cache has {len(full)} non-empty shards; train.heldout_shards={heldout_shards} and "
+                         f"train.validation_shards={validation_shards} leave none to train on: cache more rows "
+                         "(or a smaller cache.rows_per_shard), or lower them")
     cut = len(full) - heldout_shards
-    return ShardSplit(tuple(full[:cut]), tuple(full[cut:]), dict(counts))
+    val = cut - validation_shards
+    return ShardSplit(tuple(full[:val]), tuple(full[cut:]), dict(counts), tuple(full[val:cut]))
 
 
 def rank_order(split: ShardSplit, *, seed: int, epoch: int, rank: int, world: int) -> list[tuple[int, int]]:

@@ -47,7 +47,8 @@ class DrafterConfig:
         sample_from_anchor: block layout, True = DSpark ``[anchor, mask x (gamma-1)]``, False =
             DFlash ``[anchor, mask x gamma]`` (see :mod:`training.blocks`). Never inferred.
         markov_rank: r of the sequential head; 0 = no head (DFlash).
-        head_type: ``"markov"`` (vanilla), ``"gated"`` or ``"rnn"``.
+        head_type: ``"markov"`` (vanilla), ``"gated"``, ``"rnn"`` or ``"control"`` (the ablation:
+            anchor + slot vector instead of the previous token, :class:`training.heads.ControlHead`).
         confidence_head: add the confidence head.
         confidence_grad_to_backbone: let the confidence loss push gradient into the backbone and the
             Markov embedding (default False: only the confidence head learns from it).
@@ -196,7 +197,8 @@ class Drafter(nn.Module):
         self.lm_head.weight = nn.Parameter(lm_head_weight.detach(), requires_grad=False)
         Vd = lm_head_weight.shape[0]
         self.markov_head = build_sequential_head(config.head_type, vocab_size=V, draft_vocab_size=Vd,
-                                                 rank=config.markov_rank, hidden_size=H)
+                                                 rank=config.markov_rank, hidden_size=H,
+                                                 slots=config.block_size)
         self.confidence_head = ConfidenceHead(H + config.markov_rank) if config.confidence_head else None
         self._init_trainable(target_config.initializer_range)
         self.register_load_state_dict_pre_hook(self._check_d2t)
@@ -323,11 +325,12 @@ class Drafter(nn.Module):
             slot=k, block=b * N + n, target_hidden=batch.last_hidden[blocks.target_rows[b, n, k]],
             num_blocks=B * N, block_size=gamma)
 
-    def loss(self, slots: SupervisedSlots, config: LossConfig, group=None) -> LossOutput:
+    def loss(self, slots: SupervisedSlots, config: LossConfig, group=None, reduce: bool = True) -> LossOutput:
         """:func:`training.losses.drafter_loss` with this drafter's frozen heads and Markov ``W2``."""
         w2 = None if self.markov_head is None else self.markov_head.markov_w2.weight
         return drafter_loss(slots, lm_head=self.lm_head.weight, target_lm_head=self.target_lm_head_weight,
-                            markov_w2=w2, draft_to_target=self.draft_to_target, config=config, group=group)
+                            markov_w2=w2, draft_to_target=self.draft_to_target, config=config, group=group,
+                            reduce=reduce)
 
     # -- inference ------------------------------------------------------------------------------
     @torch.no_grad()

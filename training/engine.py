@@ -28,12 +28,12 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
 class DeepSpeedEngine:
     """DeepSpeed ZeRO with a client ``torch.optim.AdamW`` (no DeepSpeed op build on CPU)."""
 
-    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float, total_steps: int,
-                 warmup_ratio: float, zero_stage: int, bf16: bool, micro_batch: int, accumulation: int,
-                 grad_clip: float):
+    def __init__(self, model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float,
+                 total_steps: int, warmup_ratio: float, zero_stage: int, bf16: bool, micro_batch: int,
+                 accumulation: int, grad_clip: float):
         import deepspeed
 
-        opt = torch.optim.AdamW(model.trainable_parameters(), lr=lr, weight_decay=weight_decay)
+        opt = torch.optim.AdamW(model.trainable_parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, warmup_ratio))
         config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulation,
                   "gradient_clipping": grad_clip, "zero_optimization": {"stage": zero_stage},
@@ -78,11 +78,12 @@ class DeepSpeedEngine:
 class DDPEngine:
     """Plain PyTorch DDP with manual accumulation, clipping, AdamW and the same lr schedule."""
 
-    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float, total_steps: int,
-                 warmup_ratio: float, accumulation: int, grad_clip: float, **_):
+    def __init__(self, model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float,
+                 total_steps: int, warmup_ratio: float, accumulation: int, grad_clip: float, **_):
         self.module = model
         self.ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
-        self.optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=lr, betas=betas,
+                                           weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(total_steps, warmup_ratio))
         self.accumulation, self.grad_clip, self._micro = accumulation, grad_clip, 0
 

@@ -15,6 +15,10 @@ so rejection sampling against the target stays lossless. Every head here writes 
   ``z_k = [s_{k-1} ; W1[x_{k-1}] ; h_k]``, ``g_k = sigmoid(W_g z_k + b_g)``,
   ``s_k = g_k * s_{k-1} + (1 - g_k) * tanh(W_c z_k + b_c)``, ``u_k = tanh(W_o z_k + b_o)``.
 
+- control (the ablation that isolates the sequential effect, not a paper head): the same ``W1`` and
+  ``W2`` fed the anchor token and a learned per-slot vector instead of the previous token,
+  ``u_k = W1[x_0] + e_k`` (``slot_embed`` ``[gamma, r]``): equal capacity, no dependence on ``x_{k-1}``.
+
 ``x_{k-1}`` for the first predicting slot is the anchor token; ``W1`` embeds target-vocabulary ids
 (``[V, r]``), ``W2`` maps to the draft vocabulary (``V_draft <= V``), as vLLM's ``DSparkMarkovHead``.
 Training uses teacher forcing (true previous tokens); inference samples slot by slot.
@@ -27,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["MarkovHead", "GatedMarkovHead", "RNNHead", "ConfidenceHead", "HEAD_TYPES",
+__all__ = ["MarkovHead", "GatedMarkovHead", "RNNHead", "ControlHead", "ConfidenceHead", "HEAD_TYPES",
            "build_sequential_head", "draft_probs", "sample_sequential"]
 
 
@@ -41,7 +45,7 @@ class MarkovHead(nn.Module):
     Parameters (vLLM names): ``markov_w1.weight`` [V, r], ``markov_w2.weight`` [V_draft, r].
     """
 
-    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int, slots: int = 0):
         super().__init__()
         if rank < 1:
             raise ValueError(f"markov rank must be >= 1 for a sequential head, got {rank}")
@@ -50,7 +54,7 @@ class MarkovHead(nn.Module):
         self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
 
     def embed(self, prev_ids: torch.Tensor) -> torch.Tensor:
-        """``W1[x]``: [...] int64 target ids -> [..., r]."""
+        """``W1[x]``: [...] int64 target ids -> [..., r] (also the confidence head's extra input)."""
         return self.markov_w1(prev_ids)
 
     def step(self, state: torch.Tensor | None, prev_ids: torch.Tensor, hidden: torch.Tensor
@@ -73,7 +77,7 @@ class GatedMarkovHead(MarkovHead):
     Extra parameters: ``gate_proj`` ``nn.Linear(H + r, r)``.
     """
 
-    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int, slots: int = 0):
         super().__init__(vocab_size, draft_vocab_size, rank, hidden_size)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
@@ -90,7 +94,7 @@ class RNNHead(MarkovHead):
     Extra parameters: ``rnn_proj`` ``nn.Linear(2r + H, 3r)`` producing ``[gate ; candidate ; output]``.
     """
 
-    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int, slots: int = 0):
         super().__init__(vocab_size, draft_vocab_size, rank, hidden_size)
         self.rnn_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
@@ -112,6 +116,36 @@ class RNNHead(MarkovHead):
         return torch.stack(out, dim=-2)
 
 
+class ControlHead(MarkovHead):
+    """Control head: ``u_k = W1[x_0] + e_k`` from the anchor ``x_0`` and a learned slot vector ``e_k``.
+
+    The capacity of the Markov head (the same ``markov_w1`` [V, r] and ``markov_w2`` [V_draft, r],
+    plus ``slot_embed`` [gamma, r]) without its input: the previous token. DSpark / control
+    measures the sequential effect; control / DFlash measures what the extra parameters alone give.
+    Every tensor carries the slot dimension last among the leading ones (``prev_ids`` [..., S]).
+    """
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int, slots: int = 0):
+        super().__init__(vocab_size, draft_vocab_size, rank, hidden_size)
+        if slots < 1:
+            raise ValueError(f"the control head needs the block size (slots >= 1), got {slots}")
+        self.slot_embed = nn.Embedding(slots, rank)
+
+    def embed(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """``W1[x_0] + e_k`` for every slot: prev_ids [..., S] (slot 0 holds the anchor) -> [..., S, r]."""
+        S = prev_ids.shape[-1]
+        return self.markov_w1(prev_ids[..., :1]) + self.slot_embed.weight[:S]
+
+    def step(self, state, prev_ids, hidden):
+        """``(u_k, (x_0, k + 1))``: the state carries the anchor ids [...] and the slot index."""
+        anchor, k = (prev_ids, 0) if state is None else state
+        return self.markov_w1(anchor) + self.slot_embed.weight[k], (anchor, k + 1)
+
+    def features(self, prev_ids, hidden):
+        """Teacher-forced ``u`` [..., S, r] (only the anchor in ``prev_ids[..., 0]`` is read)."""
+        return self.embed(prev_ids)
+
+
 class ConfidenceHead(nn.Module):
     """Confidence head: one linear layer, logit of ``c_k`` (DSpark sec. 3.2.1).
 
@@ -130,12 +164,13 @@ class ConfidenceHead(nn.Module):
         return self.proj(x).squeeze(-1).float()
 
 
-HEAD_TYPES = {"markov": MarkovHead, "gated": GatedMarkovHead, "rnn": RNNHead}
+HEAD_TYPES = {"markov": MarkovHead, "gated": GatedMarkovHead, "rnn": RNNHead, "control": ControlHead}
 
 
 def build_sequential_head(head_type: str, *, vocab_size: int, draft_vocab_size: int, rank: int,
-                          hidden_size: int) -> MarkovHead | None:
-    """The sequential head for a config; ``rank == 0`` means none (plain DFlash).
+                          hidden_size: int, slots: int = 0) -> MarkovHead | None:
+    """The sequential head for a config; ``rank == 0`` means none (plain DFlash). ``slots``: the
+    predicting slots per block (gamma), used by the control head's slot vectors only.
 
     Raises:
         ValueError: unknown ``head_type`` (choose from ``HEAD_TYPES``) or ``rank < 0``.
@@ -146,7 +181,7 @@ def build_sequential_head(head_type: str, *, vocab_size: int, draft_vocab_size: 
         raise ValueError(f"unknown head_type {head_type!r}; choose one of {sorted(HEAD_TYPES)}")
     if rank == 0:
         return None
-    return HEAD_TYPES[head_type](vocab_size, draft_vocab_size, rank, hidden_size)
+    return HEAD_TYPES[head_type](vocab_size, draft_vocab_size, rank, hidden_size, slots)
 
 
 def draft_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

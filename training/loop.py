@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from pipeline.config import DrafterSpec, RunConfig, SequentialHead
 from pipeline.storage import filesystem, join
+from training.record import check_record, model_record
 
 
 @dataclass
@@ -45,6 +46,11 @@ def drafter_config(spec: DrafterSpec, cfg: RunConfig):
 
 def build_drafter(spec: DrafterSpec, cfg: RunConfig, target_dir: str, d2t: torch.Tensor | None = None):
     """A freshly initialised drafter sharing the target's frozen ``embed_tokens`` and ``lm_head``."""
+    return build_drafter_from(drafter_config(spec, cfg), target_dir, d2t)
+
+
+def build_drafter_from(config, target_dir: str, d2t: torch.Tensor | None = None):
+    """A freshly initialised drafter of a :class:`training.drafter.DrafterConfig` on the target."""
     from transformers import AutoConfig
 
     from pipeline.target import load_shared_weights
@@ -52,7 +58,24 @@ def build_drafter(spec: DrafterSpec, cfg: RunConfig, target_dir: str, d2t: torch
 
     embed, lm_head = load_shared_weights(target_dir)
     tc = AutoConfig.from_pretrained(target_dir, local_files_only=True)
-    return Drafter(drafter_config(spec, cfg), tc, embed.float(), lm_head.float(), d2t)
+    return Drafter(config, tc, embed.float(), lm_head.float(), d2t)
+
+
+def recorded_config(state: dict[str, Any], ckpt: str, current):
+    """The drafter config a checkpoint records, with ``current``'s run-time fields (anchors, attention).
+
+    Raises:
+        CheckpointError: the checkpoint has no model record (written before checkpoints described
+            their drafter): retrain it, since its layout cannot be known.
+    """
+    from training.checkpoint import CheckpointError
+    from training.record import config_from_record
+
+    if "model" not in state:
+        raise CheckpointError(f"{ckpt} records no model config (it was written by an older version, before "
+                              "checkpoints described their drafter), so its block layout cannot be checked: "
+                              "retrain it in a new run_dir")
+    return config_from_record(state["model"], num_anchors=current.num_anchors, attention=current.attention)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -74,6 +97,14 @@ def plan_steps(split, cfg: RunConfig, world: int) -> list[int]:
     return [micro_steps_per_epoch(split, seed=cfg.train.seed, epoch=e, world=world,
                                   micro_batch=cfg.train.micro_batch_samples, accumulation=accumulation)
             for e in range(cfg.train.epochs)]
+
+
+def total_steps(micro_per_epoch: list[int], cfg: RunConfig, world: int) -> int:
+    """Optimizer steps of the whole run: every epoch's micro-steps over the accumulation, capped
+    by ``train.max_steps``."""
+    accumulation = cfg.train.global_batch_samples // (cfg.train.micro_batch_samples * world)
+    total = sum(micro_per_epoch) // accumulation
+    return total if cfg.train.max_steps is None else min(total, cfg.train.max_steps)
 
 
 def _save(engine, train_url: str, pos: Position, state: dict[str, Any]) -> None:
@@ -103,13 +134,14 @@ def _save(engine, train_url: str, pos: Position, state: dict[str, Any]) -> None:
     _barrier()
 
 
-def _resume(engine, train_url: str, world: int, zero_stage: int) -> Position:
+def _resume(engine, train_url: str, world: int, zero_stage: int, name: str) -> Position:
     from training.checkpoint import CheckpointError, download_files, latest_checkpoint, read_parts
 
     found = latest_checkpoint(train_url)
     if found is None:
         return Position()
     ckpt, state = found
+    check_record(recorded_config(state, ckpt, engine.module.config), engine.module.config, drafter=name, where=ckpt)
     if state["world_size"] != world or state["zero_stage"] != zero_stage:
         raise CheckpointError(
             f"{ckpt} was written by {state['world_size']} ranks with zero_stage={state['zero_stage']}; this run "
@@ -156,16 +188,18 @@ def train_worker(config: dict[str, Any]) -> None:
     from training.data import Prefetcher, rank_order, split_shards
     from training.engine import make_engine
     from training.losses import LossConfig
+    from training.validation import curve_summary, plot_curves, validate, validation_batches
 
     rank, world = _rank_world()
     torch.manual_seed(cfg.train.seed)
     reader = CacheReader(cache_url(cfg), Fingerprint.from_json(config["fingerprint"]))
-    split = split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards)
+    split = split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards,
+                         cfg.train.validation_shards)
+    val_batches = validation_batches(split, reader, micro_batch=cfg.train.micro_batch_samples,
+                                     max_samples=cfg.train.validation_samples, world=world)
     micro_per_epoch = plan_steps(split, cfg, world)
     accumulation = cfg.train.global_batch_samples // (cfg.train.micro_batch_samples * world)
-    total = sum(micro_per_epoch) // accumulation
-    if cfg.train.max_steps is not None:
-        total = min(total, cfg.train.max_steps)
+    total = total_steps(micro_per_epoch, cfg, world)
     if total < 1:
         raise ValueError(f"the cache's {sum(split.counts[s] for s in split.train)} training samples make no full "
                          f"optimizer step of train.global_batch_samples={cfg.train.global_batch_samples}")
@@ -177,17 +211,19 @@ def train_worker(config: dict[str, Any]) -> None:
         counts = count_supervised_tokens(reader.token_arrays(split.train), reader.fingerprint.target["vocab_size"])
         d2t = build_d2t(counts, spec.draft_vocab_size)
     model = build_drafter(spec, cfg, config["target_dir"], d2t)
-    engine = make_engine(model, cfg.train.zero_stage, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+    engine = make_engine(model, cfg.train.zero_stage, lr=cfg.train.lr, betas=(0.9, cfg.train.adam_beta2),
+                         weight_decay=cfg.train.weight_decay,
                          total_steps=total, warmup_ratio=cfg.train.warmup_ratio, bf16=cfg.train.precision == "bf16",
                          micro_batch=cfg.train.micro_batch_samples, accumulation=accumulation,
                          grad_clip=cfg.train.grad_clip)
     train_url = join(cfg.run_dir, "train", name)
-    pos = _resume(engine, train_url, world, cfg.train.zero_stage)
+    pos = _resume(engine, train_url, world, cfg.train.zero_stage, name)
     loss_cfg = LossConfig(ce_weight=cfg.train.loss_ce, tv_weight=cfg.train.loss_tv,
                           confidence_weight=cfg.train.loss_conf, decay_lambda=cfg.train.decay_lambda)
-    state = {"drafter": name, "zero_stage": cfg.train.zero_stage, "total_steps": total, "seed": cfg.train.seed}
-    metrics_fs, metrics_path = filesystem(join(train_url, "metrics.jsonl"))
-    metrics_fs.makedirs(metrics_path.rsplit("/", 1)[0], exist_ok=True)
+    state = {"drafter": name, "zero_stage": cfg.train.zero_stage, "total_steps": total, "seed": cfg.train.seed,
+             "model": model_record(model.config), "cache_fingerprint": config["fingerprint"],
+             "reduced_vocabulary": d2t is not None}
+    log = MetricsLog(join(train_url, "metrics.jsonl"), pos.step) if rank == 0 else None
     tb = _tensorboard() if rank == 0 else None
     bar = _progress(total, pos.step, name) if rank == 0 else None
     t_step, tokens, waited, last = time.perf_counter(), 0, 0.0, None
@@ -206,12 +242,20 @@ def train_worker(config: dict[str, Any]) -> None:
             if pos.micro % accumulation:
                 continue
             pos.step += 1
+            seconds = time.perf_counter() - t_step
+            validated = {}
+            if val_batches and (pos.step % cfg.train.validate_every_steps == 0 or pos.step == total):
+                val = validate(engine.module, reader, val_batches, loss_cfg, rank=rank, world=world)
+                validated = {f"val_{k}": v for k, v in val.items()}
             if rank == 0:
-                seconds = time.perf_counter() - t_step
-                last = _metrics_row(out, engine, pos, tokens * world, seconds, feed.wait_seconds - waited)
-                _log(metrics_fs, metrics_path, last, tb, bar)
+                last = {**_metrics_row(out, engine, pos, tokens * world, seconds, feed.wait_seconds - waited),
+                        **validated}
+                log.add(last)
+                _log_step(last, tb, bar)
             t_step, tokens, waited = time.perf_counter(), 0, feed.wait_seconds
             if pos.step % cfg.train.checkpoint_every_steps == 0 or pos.step == total:
+                if rank == 0:
+                    log.flush()
                 _save(engine, train_url, pos, state)
             if pos.step >= total:
                 break
@@ -222,28 +266,53 @@ def train_worker(config: dict[str, Any]) -> None:
     if rank == 0:
         bar.close()
         tb.close()
+        log.flush()
         upload_dir(tb.log_dir, join(train_url, "tensorboard"))
+        curves = curve_summary(log.rows)
+        if curves is not None:
+            with tempfile.TemporaryDirectory() as tmp:
+                plot_curves(f"{tmp}/curves.png", log.rows, f"{name}: held-out learning curves")
+                fs, path = filesystem(join(train_url, "curves.png"))
+                fs.put_file(f"{tmp}/curves.png", path)
         fs, path = filesystem(join(train_url, "result.json"))
         fs.pipe_file(path, json.dumps({"steps": pos.step, "total_steps": total, "last": last,
-                                       "world_size": world, "checkpoint": join(train_url, "checkpoints")},
-                                      default=str).encode())
+                                       "validation": curves, "world_size": world,
+                                       "checkpoint": join(train_url, "checkpoints")}, default=str).encode())
 
 
-def _log(fs, path: str, row: dict[str, Any], tb, bar) -> None:
-    line = json.dumps(row) + "\n"
-    mode = "ab" if fs.exists(path) else "wb"
-    try:
-        with fs.open(path, mode) as f:
-            f.write(line.encode())
-    except NotImplementedError:  # object stores cannot append: rewrite the (small) file
-        fs.pipe_file(path, (fs.cat_file(path) if fs.exists(path) else b"") + line.encode())
-    if tb is not None:
-        for k, v in row.items():
-            if isinstance(v, float):
-                tb.add_scalar(f"train/{k}", v, row["step"])
-    if bar is not None:
-        bar.update(1)
-        bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['tau_expected']:.2f}")
+class MetricsLog:
+    """``metrics.jsonl``: one row per optimizer step, written whole at checkpoints and at the end
+    (an object store cannot append; rewriting it every step would cost O(steps^2) bytes).
+
+    On resume the rows of steps after the resumed checkpoint (written by the killed attempt) are
+    dropped, so the file keeps exactly one row per step.
+    """
+
+    def __init__(self, url: str, resumed_step: int):
+        self.fs, self.path = filesystem(url)
+        self.rows: list[dict[str, Any]] = []
+        if self.fs.exists(self.path):
+            lines = self.fs.cat_file(self.path).decode().splitlines()
+            self.rows = [r for r in map(json.loads, filter(None, lines)) if r["step"] <= resumed_step]
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+
+    def flush(self) -> None:
+        self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
+        self.fs.pipe_file(self.path, "".join(json.dumps(r) + "\n" for r in self.rows).encode())
+
+
+def _log_step(row: dict[str, Any], tb, bar) -> None:
+    for k, v in row.items():
+        if isinstance(v, float):
+            tb.add_scalar(f"{'validation' if k.startswith('val_') else 'train'}/{k.removeprefix('val_')}", v,
+                          row["step"])
+    bar.update(1)
+    postfix = {"loss": f"{row['loss']:.3f}", "tau": f"{row['tau_expected']:.2f}"}
+    if "val_tau_expected" in row:
+        postfix["val_tau"] = f"{row['val_tau_expected']:.3f}"
+    bar.set_postfix(**postfix)
 
 
 def _tensorboard():
@@ -275,10 +344,13 @@ def load_trained_drafter(cfg: RunConfig, name: str, target_dir: str):
 
         raise MissingStageOutputError(f"no committed checkpoint for drafter {name!r} under {cfg.run_dir}/train/{name}: "
                                       "run +stage=train first")
+    current = drafter_config(cfg.train.drafters[name], cfg)
+    recorded = recorded_config(found[1], found[0], current)
+    check_record(recorded, current, drafter=name, where=found[0])
     fs, path = filesystem(join(found[0], "drafter.safetensors"))
     weights = load(fs.cat_file(path))
     d2t = weights.get("d2t")
-    model = build_drafter(cfg.train.drafters[name], cfg, target_dir, d2t)
+    model = build_drafter_from(recorded, target_dir, d2t)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     frozen = ("embed_tokens.", "lm_head.", "target_lm_head")
     missing = [k for k in missing if not k.startswith(frozen)]

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from training.blocks import IGNORE_LABEL
 from training.draft_vocab import target_to_draft_ids
 
-__all__ = ["LossConfig", "SupervisedSlots", "LossOutput", "conditional_acceptance",
+__all__ = ["LossConfig", "SupervisedSlots", "LossOutput", "metrics_from_stats", "conditional_acceptance",
            "position_weights", "expected_tau", "drafter_loss"]
 
 
@@ -96,11 +96,38 @@ class LossOutput:
             (each normalised by W), ``acceptance_per_position`` [gamma] (mean ``c*`` per slot, NaN
             where no slot), ``tau_expected``, ``confidence_error`` (mean ``|sigmoid(c) - c*|``, NaN
             without a head), ``supervised_slots``, ``weight_sum`` (W).
+        stats: the summed statistics behind ``metrics`` (see :func:`metrics_from_stats`).
     """
 
     loss: torch.Tensor
     c_star: torch.Tensor
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    stats: torch.Tensor | None = None
+
+
+def metrics_from_stats(stats: torch.Tensor, gamma: int, config: LossConfig, *, has_confidence: bool
+                       ) -> dict[str, torch.Tensor]:
+    """The metrics of :class:`LossOutput` from summed statistics (one batch, or many added up).
+
+    Args:
+        stats: [8 + 2 gamma] float32: ``W``, the weighted sums of CE, TV and BCE, the summed
+            ``|sigmoid(c) - c*|``, supervised slots, the summed block ``tau_expected``, blocks, then
+            per slot the summed ``c*`` and the slot counts (``LossOutput.stats``).
+        gamma: block size. config: the loss weights. has_confidence: a confidence head exists.
+    Returns:
+        the ``metrics`` dict documented in :class:`LossOutput`.
+    """
+    Wc = stats[0].clamp_min(1e-12)
+    weights = (config.ce_weight, config.tv_weight, config.confidence_weight if has_confidence else 0.0)
+    n_slots = stats[5]
+    return {
+        "loss": sum(a * n for a, n in zip(weights, stats[1:4])) / Wc,
+        "ce": stats[1] / Wc, "tv": stats[2] / Wc, "confidence_bce": stats[3] / Wc,
+        "acceptance_per_position": stats[8:8 + gamma] / stats[8 + gamma:],
+        "tau_expected": stats[6] / stats[7],
+        "confidence_error": stats[4] / n_slots if has_confidence else stats[4] * float("nan"),
+        "supervised_slots": n_slots, "weight_sum": stats[0],
+    }
 
 
 def conditional_acceptance(p_draft: torch.Tensor, p_target: torch.Tensor) -> torch.Tensor:
@@ -160,7 +187,7 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
 
 def drafter_loss(slots: SupervisedSlots, *, lm_head: torch.Tensor, target_lm_head: torch.Tensor,
                  markov_w2: torch.Tensor | None, draft_to_target: torch.Tensor | None,
-                 config: LossConfig, group=None) -> LossOutput:
+                 config: LossConfig, group=None, reduce: bool = True) -> LossOutput:
     """The DSpark loss of this rank's supervised slots, normalised by the global weight sum.
 
     Formula and sources in the module docstring. With a reduced draft vocabulary (EAGLE-3 style),
@@ -173,6 +200,8 @@ def drafter_loss(slots: SupervisedSlots, *, lm_head: torch.Tensor, target_lm_hea
         markov_w2: [V_draft, r] or None; required iff ``slots.bias_features`` is given.
         draft_to_target: [V_draft] int64 target id of each draft id, or None (full vocabulary).
         config: weights, lambda, chunk size. group: process group for the all-reduce (default world).
+        reduce: all-reduce the statistics (training); False keeps them local, for callers that sum
+            them over many batches first and reduce once (:func:`metrics_from_stats`).
     Returns:
         :class:`LossOutput`; with no supervised slot anywhere the loss is 0 with zero gradients.
     Raises:
@@ -217,23 +246,14 @@ def drafter_loss(slots: SupervisedSlots, *, lm_head: torch.Tensor, target_lm_hea
         grid_valid[slots.block, slots.slot] = True
         has_block = grid_valid.any(-1)
         tau_sum = expected_tau(grid, grid_valid)[has_block].sum()
-        pos_sum = grid.sum(0)
-        pos_cnt = grid_valid.sum(0).float()
         err = (torch.sigmoid(conf.float()) - c_star).abs().sum() if conf is not None else c_star.new_zeros(())
-        stats = torch.stack([w.sum(), *[n.detach() for n in nums], err, c_star.new_tensor(float(M)),
-                             tau_sum, has_block.sum().float()])
-        stats = _all_reduce(torch.cat([stats, pos_sum, pos_cnt]), group)
+        stats = torch.cat([torch.stack([w.sum(), *[n.detach() for n in nums], err, c_star.new_tensor(float(M)),
+                                        tau_sum, has_block.sum().float()]),
+                           grid.sum(0), grid_valid.sum(0).float()])
+        if reduce:
+            stats = _all_reduce(stats, group)
     W = stats[0]
     weights = (config.ce_weight, config.tv_weight, config.confidence_weight if conf is not None else 0.0)
     loss = sum(a * n for a, n in zip(weights, nums)) / W.clamp_min(1e-12)
-    Wc = W.clamp_min(1e-12)
-    n_slots = stats[5]
-    metrics = {
-        "loss": sum(a * n for a, n in zip(weights, stats[1:4])) / Wc,
-        "ce": stats[1] / Wc, "tv": stats[2] / Wc, "confidence_bce": stats[3] / Wc,
-        "acceptance_per_position": stats[8:8 + gamma] / stats[8 + gamma:],
-        "tau_expected": stats[6] / stats[7],
-        "confidence_error": stats[4] / n_slots if conf is not None else stats[4] * float("nan"),
-        "supervised_slots": n_slots, "weight_sum": W,
-    }
-    return LossOutput(loss=loss, c_star=c_star, metrics=metrics)
+    metrics = metrics_from_stats(stats, gamma, config, has_confidence=conf is not None)
+    return LossOutput(loss=loss, c_star=c_star, metrics=metrics, stats=stats)

@@ -1,0 +1,120 @@
+"""Drafters compared on the same held-out blocks: DFlash, DSpark and the control head at block
+size 7, DFlash and DSpark at block size 16, and DFlash and DSpark trained from an fp8 cache.
+
+Reads a finished demo run (``make demo`` writes ``runs/tiny``: its cache, generated chats and the
+block-7 DFlash and DSpark), trains the other five with the same recipe and steps in run folders
+beside it (``-ablations``: the control head and the block-16 pair, on the same cache; ``-fp8``
+caches the same generated chats with ``cache.feature_dtype=fp8_e4m3``), then runs the paired
+block-level evaluation
+(:func:`training.block_runner.evaluate_blocks`) of all seven on the same held-out samples,
+anchors and random numbers (the fp8 drafters read the same samples from their own cache), and
+prints tau ± SE at T=0 and T=1, the paired ratios ± SE and the per-slot acceptance.
+
+    python bench/bench_drafters.py [--run runs/tiny] [--samples 256]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from common import REPO
+
+PAIRS = [("dspark", "dflash"), ("control", "dflash"), ("dspark", "control"),
+         ("dflash16", "dflash"), ("dspark16", "dflash16"), ("dspark16", "dspark"),
+         ("dflash-fp8", "dflash"), ("dspark-fp8", "dspark"), ("dspark-fp8", "dflash-fp8")]
+LAYERS = "num_layers: 2, mask_token_id: 5, confidence_head: true"
+ABLATIONS = ["~train.drafters.dflash", "~train.drafters.dspark", "train.concurrent_drafters=3",
+             f"++train.drafters.control={{{LAYERS}, block_size: 7, sample_from_anchor: true, head: control, "
+             "markov_rank: 64}",
+             f"++train.drafters.dflash16={{{LAYERS}, block_size: 16, sample_from_anchor: false, head: none, "
+             "markov_rank: 0}",
+             f"++train.drafters.dspark16={{{LAYERS}, block_size: 16, sample_from_anchor: true, head: markov, "
+             "markov_rank: 64}"]
+
+
+def _stage(stage: str, run_dir: Path, *overrides: str) -> None:
+    from pipeline.run import DEFAULT_CONFIG
+
+    if (run_dir / stage / "summary.json").exists():
+        return
+    subprocess.run([sys.executable, "-m", "pipeline.run", f"+stage={stage}", str(DEFAULT_CONFIG),
+                    f"run_dir={run_dir}", *overrides], check=True,
+                   env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+
+
+def _batches(cfg, target_dir: str, samples: int):
+    from cache_schema import CacheReader
+    from pipeline.cache import cache_url
+    from pipeline.train import expected_fingerprint
+    from training.data import as_mapping, split_shards
+
+    reader = CacheReader(cache_url(cfg), expected_fingerprint(cfg, target_dir))
+    split = split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards,
+                         cfg.train.validation_shards)
+    batch, seen = [], 0
+    for sample in reader.iter_samples(split.heldout):
+        if seen == samples:
+            break
+        batch.append(as_mapping(sample))
+        seen += 1
+        if len(batch) == cfg.train.micro_batch_samples:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", default=str(REPO / "runs" / "tiny"), help="a finished demo run")
+    ap.add_argument("--samples", type=int, default=128, help="held-out samples (x evaluate.block_anchors blocks)")
+    args = ap.parse_args()
+    from pipeline.run import DEFAULT_CONFIG, load_config
+    from pipeline.target import resolve_target_path
+    from training.block_eval import format_table, summarise
+    from training.block_runner import evaluate_blocks
+    from training.loop import load_trained_drafter
+
+    run = Path(args.run).resolve()
+    abl, fp8 = run.parent / f"{run.name}-ablations", run.parent / f"{run.name}-fp8"
+    for folder, link in ((abl, "cache"), (fp8, "generate")):
+        folder.mkdir(exist_ok=True)
+        if not (folder / link).exists():
+            (folder / link).symlink_to(run / link)
+    _stage("train", abl, *ABLATIONS)
+    _stage("cache", fp8, "cache.feature_dtype=fp8_e4m3")
+    _stage("train", fp8, "cache.feature_dtype=fp8_e4m3")
+
+    cfgs = {"": load_config(DEFAULT_CONFIG, [f"run_dir={run}"]),
+            "abl": load_config(DEFAULT_CONFIG, [f"run_dir={abl}", *ABLATIONS]),
+            "-fp8": load_config(DEFAULT_CONFIG, [f"run_dir={fp8}", "cache.feature_dtype=fp8_e4m3"])}
+    target_dir = resolve_target_path(cfgs[""].target.path)
+    bf16_drafters = {n: load_trained_drafter(c, n, target_dir) for key in ("", "abl") for c in [cfgs[key]]
+                     for n in c.train.drafters}
+    fp8_drafters = {f"{n}-fp8": load_trained_drafter(cfgs["-fp8"], n, target_dir) for n in cfgs["-fp8"].train.drafters}
+    cfg = cfgs[""]
+    common = {"temperatures": [0.0, 1.0], "num_anchors": cfg.evaluate.block_anchors}
+    tally = evaluate_blocks(bf16_drafters, _batches(cfg, target_dir, args.samples), **common)
+    tally = evaluate_blocks(fp8_drafters, _batches(cfgs["-fp8"], target_dir, args.samples), tally=tally, **common)
+    summary = summarise(tally, pairs=PAIRS)
+    print("\n" + format_table(summary))
+    held = {}
+    for key, c in cfgs.items():
+        for name in c.train.drafters:
+            r = json.loads((Path(c.run_dir) / "train" / name / "result.json").read_text())
+            held[name + ("-fp8" if key == "-fp8" else "")] = r["validation"]["last"]
+    print("| drafter | steps | validation tau_expected | slot-1 acceptance |\n|---|---:|---:|---:|")
+    for name, v in held.items():
+        print(f"| {name} | {v['step']} | {v['tau_expected']:.4f} | {v['slot1_acceptance']:.4f} |")
+    out = run / "bench_drafters.json"
+    summary["pairs"] = {f"{a}/{b}": v for (a, b), v in summary["pairs"].items()}
+    out.write_text(json.dumps({"blocks": summary, "validation": held}, indent=1))
+    print(f"\nwritten {out}")
+
+
+if __name__ == "__main__":
+    main()
