@@ -226,6 +226,7 @@ def summarise(tally: PairedTally, *, baseline: str | None = None, pairs: Iterabl
         entropy_bins: ``[lo, hi)`` bins in nats of the slot-0 target entropy.
     Returns:
         ``{"drafters": {name: {T: {"n", "tau", "tau_se", "tau_expected", "tau_expected_se",
+        "closed_form_gap", "closed_form_gap_se" (mean and SE of tau - tau_expected, paired per block),
         "acceptance" [gamma] (accepted / reached, NaN where never reached), "reached", "accepted",
         "by_entropy": [{"lo", "hi", "n", "tau"}]}}}, "pairs": {(a, b): {T: {"n", "ratio", "se",
         "se_unpaired", "by_entropy": [{"lo", "hi", "n", "ratio", "se"}]}}}, "temperatures": [...]}``.
@@ -245,8 +246,10 @@ def summarise(tally: PairedTally, *, baseline: str | None = None, pairs: Iterabl
         rate = torch.where(reached > 0, acc.double() / reached.clamp_min(1), math.nan)
         bins = [{"lo": lo, "hi": hi, "n": int(mk.sum()), "tau": _mean_se(tau[mk])[0]}
                 for (lo, hi), mk in zip(entropy_bins, _bin_masks(ent, entropy_bins))]
+        gap, gap_se = _mean_se(tau - tally.values(d, t, "tau_expected"))
         out["drafters"].setdefault(d, {})[t] = {
             "n": tau.numel(), "tau": m, "tau_se": se, "tau_expected": me, "tau_expected_se": see,
+            "closed_form_gap": gap, "closed_form_gap_se": gap_se,
             "acceptance": rate.tolist(), "reached": reached.tolist(), "accepted": acc.tolist(),
             "by_entropy": bins}
     all_pairs = list(pairs) + [(d, baseline) for d in names if baseline is not None and d != baseline]
