@@ -80,6 +80,8 @@ def main() -> None:
     from training.loop import load_trained_drafter
 
     run = Path(args.run).resolve()
+    if not (run / "train").exists():
+        sys.exit(f"{run} holds no trained drafters: run `make demo` first (or pass --run)")
     abl, fp8 = run.parent / f"{run.name}-ablations", run.parent / f"{run.name}-fp8"
     for folder, link in ((abl, "cache"), (fp8, "generate")):
         folder.mkdir(exist_ok=True)

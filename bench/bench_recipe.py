@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--drafters", nargs="+", default=["dflash", "dspark"])
     args = ap.parse_args()
     run = Path(args.run).resolve()
+    if not (run / "train").exists():
+        sys.exit(f"{run} holds no trained drafters: run `make demo` first (or pass --run)")
     longer = run.parent / f"{run.name}-x{args.factor}"
     longer.mkdir(exist_ok=True)
     if not (longer / "cache").exists():

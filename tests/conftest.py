@@ -28,13 +28,30 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dspark-torch-extensions"))
 
 
+CASES = REPO / "tests" / "fixtures" / "cases"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "shared: reads ../shared (the team's reference material, absent from a user's clone); "
+                   "skipped when ../shared is missing")
+
+
 @pytest.fixture(scope="session")
-def shared_cases() -> Path:
-    """The read-only shared input cases (``../shared/cases``)."""
-    path = SHARED / "cases"
-    if not path.is_dir():
-        pytest.fail(f"shared cases not found at {path}: clone the project beside ../shared")
-    return path
+def input_cases() -> Path:
+    """The project's own chat input cases (``tests/fixtures/cases``; see its README.md)."""
+    if not (CASES / "chats").is_dir():
+        pytest.fail(f"input cases not found at {CASES}: the repository checkout is incomplete")
+    return CASES
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    """``../shared`` beside the repository; skips the test when it is absent (a user's clone)."""
+    if not SHARED.is_dir():
+        pytest.skip(f"needs ../shared ({SHARED}), absent from a user's clone: the project's own "
+                    "fixtures under tests/fixtures cover the behaviour")
+    return SHARED
 
 
 @pytest.fixture(scope="session")

@@ -31,8 +31,8 @@ def _hash_map(url):
     return {s.sample_id: s.content_hash for s in r.iter_samples()}
 
 
-def test_cache_stage_counts_quarantine_and_resume(ray_local, tiny_target_dir, shared_cases, tmp_path):
-    cfg = _cfg(tiny_target_dir, tmp_path / "run", shared_cases)
+def test_cache_stage_counts_quarantine_and_resume(ray_local, tiny_target_dir, input_cases, tmp_path):
+    cfg = _cfg(tiny_target_dir, tmp_path / "run", input_cases)
     assert len(plan(cfg)) == 8  # 21 + 6 lines in spans of 4 rows
     s = run_cache(cfg)
     assert s["shards"] == 8 and s["shards_written"] == 8
@@ -61,31 +61,31 @@ def test_cache_stage_counts_quarantine_and_resume(ray_local, tiny_target_dir, sh
     assert time.time() - t0 < 10
     assert again["samples"] == 13
     # a different fingerprint (other layers) is refused, listing the field
-    other = _cfg(tiny_target_dir, tmp_path / "run", shared_cases, "target.target_layer_ids=[0,2]")
+    other = _cfg(tiny_target_dir, tmp_path / "run", input_cases, "target.target_layer_ids=[0,2]")
     with pytest.raises(FingerprintMismatchError, match="target_layer_ids"):
         run_cache(other)
     # other shard boundaries would silently skip or repeat rows: refused before any work
     with pytest.raises(ShardPlanMismatchError, match="committed shard 0 holds rows 0-4 of input file 0, but this "
                        "run plans rows 0-3 .*cache.rows_per_shard"):
-        run_cache(_cfg(tiny_target_dir, tmp_path / "run", shared_cases, "cache.rows_per_shard=3"))
-    assert run_cache(_cfg(tiny_target_dir, tmp_path / "run", shared_cases, "cache.max_rows=10"))["shards"] == 8
+        run_cache(_cfg(tiny_target_dir, tmp_path / "run", input_cases, "cache.rows_per_shard=3"))
+    assert run_cache(_cfg(tiny_target_dir, tmp_path / "run", input_cases, "cache.max_rows=10"))["shards"] == 8
     assert sorted(p.name for p in (tmp_path / "run/cache/commits").iterdir()) == [f"s{i:06d}.json" for i in range(8)]
 
 
-def test_storage_budget_stops_before_prefill(ray_local, tiny_target_dir, shared_cases, tmp_path):
+def test_storage_budget_stops_before_prefill(ray_local, tiny_target_dir, input_cases, tmp_path):
     from pipeline.cache import StorageBudgetError
 
-    cfg = _cfg(tiny_target_dir, tmp_path / "run", shared_cases, "cache.storage_budget_bytes=1000")
+    cfg = _cfg(tiny_target_dir, tmp_path / "run", input_cases, "cache.storage_budget_bytes=1000")
     with pytest.raises(StorageBudgetError, match="storage_budget_bytes=1,000"):
         run_cache(cfg)
     assert not list((tmp_path / "run/cache").glob("commits/*"))
 
 
-def test_cache_on_s3(ray_local, tiny_target_dir, shared_cases, s3_url, tmp_path):
-    cfg = _cfg(tiny_target_dir, s3_url, shared_cases, "cache.max_rows=8")
+def test_cache_on_s3(ray_local, tiny_target_dir, input_cases, s3_url, tmp_path):
+    cfg = _cfg(tiny_target_dir, s3_url, input_cases, "cache.max_rows=8")
     s = run_cache(cfg)
     assert s["shards"] == 2 and s["samples"] == 4  # o1 o2 o3 o4
-    local = _cfg(tiny_target_dir, tmp_path / "local", shared_cases, "cache.max_rows=8")
+    local = _cfg(tiny_target_dir, tmp_path / "local", input_cases, "cache.max_rows=8")
     run_cache(local)
     assert _hash_map(cache_url(cfg)) == _hash_map(cache_url(local))
     a, b = CacheReader(cache_url(cfg)), CacheReader(cache_url(local))

@@ -1,4 +1,4 @@
-"""Chat ingestion: every row of ../shared/cases/chats behaves as the cases README says."""
+"""Chat ingestion: every row of tests/fixtures/cases/chats behaves as its README says."""
 import json
 
 import pyarrow as pa
@@ -21,8 +21,8 @@ def _by_line(path):
     return {r.row + 1: r for r in rows}
 
 
-def test_openai_cases_line_by_line(shared_cases):
-    path = shared_cases / "chats" / "openai.jsonl"
+def test_openai_cases_line_by_line(input_cases):
+    path = input_cases / "chats" / "openai.jsonl"
     got = _by_line(path)
     assert 18 not in got, "the blank line is not a row"
     assert len(got) == 20
@@ -46,8 +46,8 @@ def test_openai_cases_line_by_line(shared_cases):
             assert rec["line"] == line_no and rec["source"] == str(path)
 
 
-def test_openai_content_parts_joined_and_roles(shared_cases):
-    got = _by_line(shared_cases / "chats" / "openai.jsonl")
+def test_openai_content_parts_joined_and_roles(input_cases):
+    got = _by_line(input_cases / "chats" / "openai.jsonl")
     o4 = got[4]
     assert o4.messages == ({"role": "user", "content": "Say hi politely."},
                            {"role": "assistant", "content": "Hello, nice to meet you."})
@@ -55,14 +55,14 @@ def test_openai_content_parts_joined_and_roles(shared_cases):
     assert got[1].messages == got[17].messages and got[1].row != got[17].row  # o16 duplicates o1
 
 
-def test_generate_accepts_prompt_without_answer(shared_cases):
-    rows = list(iter_chats(str(shared_cases / "chats" / "openai.jsonl"), 0, require_answer=False))
+def test_generate_accepts_prompt_without_answer(input_cases):
+    rows = list(iter_chats(str(input_cases / "chats" / "openai.jsonl"), 0, require_answer=False))
     o8 = [r for r in rows if r.row_id == "o8"][0]
     assert isinstance(o8, Chat) and o8.messages[-1]["role"] == "user"
 
 
-def test_sharegpt_cases(shared_cases):
-    rows = list(iter_chats(str(shared_cases / "chats" / "sharegpt.jsonl"), 0))
+def test_sharegpt_cases(input_cases):
+    rows = list(iter_chats(str(input_cases / "chats" / "sharegpt.jsonl"), 0))
     by_id = {r.row_id: r for r in rows}
     assert isinstance(by_id["s1"], Chat)
     assert by_id["s1"].messages == ({"role": "user", "content": "Reverse a list in Python."},
@@ -111,12 +111,12 @@ def test_parquet_rows_and_bad_file(tmp_path):
         list(iter_chats(str(csv), 0))
 
 
-def test_spans_cover_every_row_once(shared_cases, tmp_path):
+def test_spans_cover_every_row_once(input_cases, tmp_path):
     """Shard spans (byte-seeking JSONL reader, row-group Parquet reader) give exactly the rows of a
     whole-file read, in order, for any span size."""
     from pipeline.chats import plan_shards, plan_spans
 
-    url = str(shared_cases / "chats" / "openai.jsonl")
+    url = str(input_cases / "chats" / "openai.jsonl")
     whole = [(r.row, type(r).__name__) for r in iter_chats(url, 0)]
     for n in (1, 4, 7, 100):
         spans = plan_spans(url, 0, n)

@@ -140,8 +140,8 @@ def test_hf_engine_stop_and_length(tiny_qwen3, tiny_tokenizer):
         stop_token_ids(type("T", (), {"eos_token_id": None, "__len__": lambda s: 9})())
 
 
-def test_failing_and_malformed_rows_go_to_the_error_file(tiny_tokenizer, shared_cases, tmp_path):
-    url = str(shared_cases / "chats" / "openai.jsonl")
+def test_failing_and_malformed_rows_go_to_the_error_file(tiny_tokenizer, input_cases, tmp_path):
+    url = str(input_cases / "chats" / "openai.jsonl")
     cfg = _cfg("unused", tmp_path, [url])
     eng = FakeEngine(tiny_tokenizer, boom=["Name a prime"], empty=["Say hi"])
     (span,) = plan_spans(url, 0, 100)
@@ -164,8 +164,8 @@ def test_failing_and_malformed_rows_go_to_the_error_file(tiny_tokenizer, shared_
     assert res.stats["rows_failed"]["empty_answer"] == 2 and sum(res.stats["rows_failed"].values()) == 12
 
 
-def test_write_commit_read_back_and_mismatch(tiny_tokenizer, tiny_target_dir, shared_cases, tmp_path):
-    url = str(shared_cases / "chats" / "sharegpt.jsonl")
+def test_write_commit_read_back_and_mismatch(tiny_tokenizer, tiny_target_dir, input_cases, tmp_path):
+    url = str(input_cases / "chats" / "sharegpt.jsonl")
     cfg = _cfg(tiny_target_dir, tmp_path / "run", [url], "generate.rows_per_shard=4")
     shards = plan(cfg)
     assert [(s.row_start, s.row_end) for _, s in shards] == [(0, 4), (4, 6)]
@@ -201,8 +201,8 @@ def test_write_commit_read_back_and_mismatch(tiny_tokenizer, tiny_target_dir, sh
 
 
 @pytest.mark.integration
-def test_commit_protocol_on_s3(tiny_tokenizer, tiny_target_dir, shared_cases, s3_url):
-    url = str(shared_cases / "chats" / "sharegpt.jsonl")
+def test_commit_protocol_on_s3(tiny_tokenizer, tiny_target_dir, input_cases, s3_url):
+    url = str(input_cases / "chats" / "sharegpt.jsonl")
     cfg = _cfg(tiny_target_dir, s3_url, [url], "generate.rows_per_shard=4")
     want, out = settings(cfg, tiny_target_dir), generate_url(cfg)
     for i, span in plan(cfg):
@@ -217,11 +217,11 @@ def test_commit_protocol_on_s3(tiny_tokenizer, tiny_target_dir, shared_cases, s3
 
 
 @pytest.mark.integration
-def test_stage_resume_and_cache_chaining(ray_local, tiny_target_dir, shared_cases, tmp_path):
+def test_stage_resume_and_cache_chaining(ray_local, tiny_target_dir, input_cases, tmp_path):
     from pipeline.cache import input_files, run_cache
     from pipeline.generate import run_generate
 
-    files = [shared_cases / "chats" / "openai.jsonl", shared_cases / "chats" / "sharegpt.jsonl"]
+    files = [input_cases / "chats" / "openai.jsonl", input_cases / "chats" / "sharegpt.jsonl"]
     cfg = _cfg(tiny_target_dir, tmp_path / "run", files, "generate.rows_per_shard=8", "generate.enabled=true",
                "data.min_loss_tokens=1", "cache.num_workers=1")
     s = run_generate(cfg)

@@ -315,8 +315,8 @@ def test_shard_object_count_matches_a_written_shard(url):
     assert counts[1] == 12  # group, record, 8 array metadata, offsets and sup_offsets (one row each)
 
 
-def test_estimate_renders_the_shared_cases_like_the_cache_stage(tiny_target_dir, shared_cases, capsys):
-    files = f"[{shared_cases}/chats/openai.jsonl,{shared_cases}/chats/sharegpt.jsonl]"
+def test_estimate_renders_the_input_cases_like_the_cache_stage(tiny_target_dir, input_cases, capsys):
+    files = f"[{input_cases}/chats/openai.jsonl,{input_cases}/chats/sharegpt.jsonl]"
     code, p = run(capsys, "estimate", "--config", DEFAULT_CONFIG, f"target.path={tiny_target_dir}",
                   f"data.train_files={files}", "generate.enabled=false", "cache.rows_per_shard=4",
                   "data.min_loss_tokens=1", "run_dir=/tmp/x", "cache.storage_budget_bytes=1000")

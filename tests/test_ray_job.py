@@ -10,11 +10,11 @@ from pipeline.run import DEFAULT_CONFIG
 pytestmark = pytest.mark.integration
 
 
-def test_cache_stage_via_ray_job_submit(tiny_target_dir, shared_cases, tmp_path):
+def test_cache_stage_via_ray_job_submit(tiny_target_dir, input_cases, tmp_path):
     run_dir = tmp_path / "run"
     entry = [sys.executable, "-m", "pipeline.run", "+stage=cache", str(DEFAULT_CONFIG),
              f"target.path={tiny_target_dir}", f"run_dir={run_dir}", "generate.enabled=false",
-             f"data.train_files=[{shared_cases}/chats/sharegpt.jsonl]", "data.min_loss_tokens=1",
+             f"data.train_files=[{input_cases}/chats/sharegpt.jsonl]", "data.min_loss_tokens=1",
              "cache.rows_per_shard=3"]
     with local_head(num_cpus=2) as (ray_bin, address, env):
         r = submit(ray_bin, address, env, entry, timeout_s=400)

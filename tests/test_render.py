@@ -106,9 +106,9 @@ def test_template_that_rewrites_content_is_aligned(tok):
     assert _supervised_text(t2, r) == "answer<|im_end|>"
 
 
-def test_shared_cases_render(tok, shared_cases):
-    """Every kept row of the shared cases renders with its answers (and only them) supervised."""
-    rows = [r for r in iter_chats(str(shared_cases / "chats" / "openai.jsonl"), 0) if isinstance(r, Chat)]
+def test_input_cases_render(tok, input_cases):
+    """Every kept row of the input cases renders with its answers (and only them) supervised."""
+    rows = [r for r in iter_chats(str(input_cases / "chats" / "openai.jsonl"), 0) if isinstance(r, Chat)]
     by_id = {r.row_id: r for r in rows}
     o2 = _render(tok, by_id["o2"].messages)
     assert "You answer in one line." in tok.decode(o2.input_ids.tolist())
