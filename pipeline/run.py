@@ -98,6 +98,23 @@ def _stage_fn(name: str) -> Callable[[RunConfig], dict[str, Any]]:
     return getattr(importlib.import_module(module), fn)
 
 
+def check_target_layers(cfg: RunConfig, target_dir: str) -> None:
+    """Refuse ``target.target_layer_ids`` the target does not have (checked in dry runs too).
+
+    Raises:
+        ConfigError: an id above ``num_hidden_layers - 2`` (the last layer's output is returned after
+            the final norm, so it is not a feature).
+    """
+    from transformers import AutoConfig
+
+    n = AutoConfig.from_pretrained(target_dir, local_files_only=True).num_hidden_layers
+    ids = list(cfg.target.target_layer_ids)
+    if ids[-1] > n - 2:
+        raise ConfigError(f"target.target_layer_ids: {ids} must be <= {n - 2} for this {n}-layer target (the last "
+                          f"layer's output comes after the final norm), e.g. target.target_layer_ids="
+                          f"[{','.join(str(i) for i in range(max(0, n - 4), n - 1))}]")
+
+
 def run_stages(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     """Run one stage, or every built stage in order for ``stage=all``.
 
@@ -106,8 +123,9 @@ def run_stages(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     Raises:
         ConfigError: a stage that this build does not have.
         TargetNotFoundError: the target is not on this machine (checked before any stage starts).
+        ConfigError: target layer ids the target does not have (:func:`check_target_layers`).
     """
-    resolve_target_path(cfg.target.path)  # fail fast, before any Ray or model start-up
+    check_target_layers(cfg, resolve_target_path(cfg.target.path))  # fail fast, before any Ray or model start-up
     if cfg.stage == Stage.all:
         names = [n for n in STAGE_ORDER if n in STAGES and (n != "generate" or cfg.generate.enabled)]
     elif cfg.stage.value in STAGES:

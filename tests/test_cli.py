@@ -131,3 +131,11 @@ def test_cli_multirun(local_target, tmp_path):
              f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert [p["config"]["train"]["lr"] for p in _plans(r.stdout)] == [0.1, 0.2]
+
+
+def test_dry_run_refuses_layer_ids_the_target_lacks(local_target):
+    """A 4-layer target has features at layers -1..2: [0, 3] is refused in a dry run, naming the key."""
+    r = _cli("+stage=train", str(DEFAULT_CONFIG), f"target.path={local_target}", "target.target_layer_ids=[0,3]",
+             "dry_run=true")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: config error: target.target_layer_ids: [0, 3] must be <= 2"), r.stderr
