@@ -19,7 +19,8 @@ from training.data import micro_steps_per_epoch, rank_order, split_shards
 from training.engine import lr_lambda
 
 TRAIN = ["train.num_anchors=8", "train.drafters.dspark.markov_rank=8", "train.drafters.dspark.num_layers=1",
-         "~train.drafters.dflash", "train.num_workers=2", "train.concurrent_drafters=1", "train.micro_batch_samples=4", "train.global_batch_samples=16", "train.lr=3e-3"]
+         "~train.drafters.dflash", "train.num_workers=2", "train.concurrent_drafters=1", "train.heldout_shards=1",
+         "train.validation_shards=0", "train.micro_batch_samples=4", "train.global_batch_samples=16", "train.lr=3e-3"]
 
 
 def _chats(path: Path, n: int):
@@ -261,7 +262,7 @@ def test_later_stages_refuse_a_config_that_disagrees_with_the_checkpoint(cached_
     changes = {"block_size": "train.drafters.dspark.block_size=3",
                "sample_from_anchor": "train.drafters.dspark.sample_from_anchor=false",
                "mask_token_id": "train.drafters.dspark.mask_token_id=9",
-               "target_layer_ids": "target.target_layer_ids=[0,1,3]"}
+               "target_layer_ids": "target.target_layer_ids=[-1,1,2]"}
     for field, override in changes.items():
         cfg = _cfg(tiny_target_dir, run_dir, data, *base, override)
         for stage in (run_export, run_calibrate, run_evaluate, run_train):
