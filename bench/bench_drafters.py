@@ -50,22 +50,12 @@ def _batches(cfg, target_dir: str, samples: int):
     from cache_schema import CacheReader
     from pipeline.cache import cache_url
     from pipeline.train import expected_fingerprint
-    from training.data import as_mapping, split_shards
+    from training.data import sample_batches, split_shards
 
     reader = CacheReader(cache_url(cfg), expected_fingerprint(cfg, target_dir))
     split = split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards,
                          cfg.train.validation_shards)
-    batch, seen = [], 0
-    for sample in reader.iter_samples(split.heldout):
-        if seen == samples:
-            break
-        batch.append(as_mapping(sample))
-        seen += 1
-        if len(batch) == cfg.train.micro_batch_samples:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+    return sample_batches(reader, split.heldout, cfg.train.micro_batch_samples, samples)
 
 
 def main() -> None:

@@ -140,19 +140,6 @@ def load_confidence(url: str) -> ConfidenceSet:
     return ConfidenceSet(t["z"], t["y"], t["valid"].bool())
 
 
-def _heldout_batches(reader, shards: Sequence[int], micro_batch: int):
-    from training.data import as_mapping
-
-    batch = []
-    for sample in reader.iter_samples(shards):
-        batch.append(as_mapping(sample))
-        if len(batch) == micro_batch:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     """``+stage=calibrate``: STS for every trained drafter that has a confidence head.
 
@@ -169,7 +156,7 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.cache import cache_url
     from pipeline.target import resolve_target_path
     from pipeline.train import expected_fingerprint
-    from training.data import split_shards
+    from training.data import sample_batches, split_shards
     from training.loop import load_trained_drafter
     from training.losses import LossConfig, expected_tau
     from training.sts import plot_reliability
@@ -185,7 +172,7 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
             summary["drafters"][name] = {"skipped": "no confidence head"}
             continue
         model = load_trained_drafter(cfg, name, target_dir)
-        data = collect_confidence(model, _heldout_batches(reader, split.heldout, cfg.train.micro_batch_samples),
+        data = collect_confidence(model, sample_batches(reader, split.heldout, cfg.train.micro_batch_samples),
                                   loss_cfg, seed=cfg.train.seed)
         report = calibrate_drafter(data, n_bins=cfg.calibrate.bins, grid_step=cfg.calibrate.grid_step)
         out = join(cfg.run_dir, "calibrate", name)

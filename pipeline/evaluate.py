@@ -126,26 +126,14 @@ def block_level(cfg: RunConfig, drafters: dict[str, Any], target_dir: str) -> di
     from pipeline.train import expected_fingerprint
     from training.block_eval import format_table, summarise
     from training.block_runner import evaluate_blocks
-    from training.data import as_mapping, split_shards
+    from training.data import sample_batches, split_shards
 
     reader = CacheReader(cache_url(cfg), expected_fingerprint(cfg, target_dir))
     split = split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards,
                          cfg.train.validation_shards)
 
-    def batches():
-        batch, seen = [], 0
-        for sample in reader.iter_samples(split.heldout):
-            if seen == cfg.evaluate.block_samples:
-                break
-            batch.append(as_mapping(sample))
-            seen += 1
-            if len(batch) == cfg.train.micro_batch_samples:
-                yield batch
-                batch = []
-        if batch:
-            yield batch
-
-    tally = evaluate_blocks(drafters, batches(), temperatures=cfg.evaluate.temperatures,
+    batches = sample_batches(reader, split.heldout, cfg.train.micro_batch_samples, cfg.evaluate.block_samples)
+    tally = evaluate_blocks(drafters, batches, temperatures=cfg.evaluate.temperatures,
                             num_anchors=cfg.evaluate.block_anchors)
     summary = summarise(tally, pairs=block_pairs(drafters))
     table = format_table(summary)

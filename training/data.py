@@ -76,6 +76,23 @@ def as_mapping(s: CacheSample) -> dict:
             "last_hidden": s.last_hidden}
 
 
+def sample_batches(reader: CacheReader, shards: Sequence[int], micro_batch: int, limit: int | None = None
+                   ) -> Iterator[list[dict]]:
+    """The samples of ``shards`` in order (the first ``limit`` of them), in lists of ``micro_batch``
+    sample mappings (the last list may be shorter): the held-out reading of calibrate and evaluate."""
+    batch, seen = [], 0
+    for sample in reader.iter_samples(shards):
+        if seen == limit:
+            break
+        batch.append(as_mapping(sample))
+        seen += 1
+        if len(batch) == micro_batch:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 class Prefetcher:
     """Reads micro-batches on a background thread so the step does not wait on storage.
 
