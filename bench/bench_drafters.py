@@ -62,6 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", default=str(REPO / "runs" / "tiny"), help="a finished demo run")
     ap.add_argument("--samples", type=int, default=128, help="held-out samples (x evaluate.block_anchors blocks)")
+    ap.add_argument("--skip-fp8", action="store_true", help="leave out the fp8 cache and its two drafters")
     args = ap.parse_args()
     from pipeline.run import DEFAULT_CONFIG, load_config
     from pipeline.target import resolve_target_path
@@ -78,8 +79,9 @@ def main() -> None:
         if not (folder / link).exists():
             (folder / link).symlink_to(run / link)
     _stage("train", abl, *ABLATIONS)
-    _stage("cache", fp8, "cache.feature_dtype=fp8_e4m3")
-    _stage("train", fp8, "cache.feature_dtype=fp8_e4m3")
+    if not args.skip_fp8:
+        _stage("cache", fp8, "cache.feature_dtype=fp8_e4m3")
+        _stage("train", fp8, "cache.feature_dtype=fp8_e4m3")
 
     cfgs = {"": load_config(DEFAULT_CONFIG, [f"run_dir={run}"]),
             "abl": load_config(DEFAULT_CONFIG, [f"run_dir={abl}", *ABLATIONS]),
@@ -87,12 +89,16 @@ def main() -> None:
     target_dir = resolve_target_path(cfgs[""].target.path)
     bf16_drafters = {n: load_trained_drafter(c, n, target_dir) for key in ("", "abl") for c in [cfgs[key]]
                      for n in c.train.drafters}
-    fp8_drafters = {f"{n}-fp8": load_trained_drafter(cfgs["-fp8"], n, target_dir) for n in cfgs["-fp8"].train.drafters}
+    if args.skip_fp8:
+        del cfgs["-fp8"]
+    fp8_drafters = {} if args.skip_fp8 else {f"{n}-fp8": load_trained_drafter(cfgs["-fp8"], n, target_dir)
+                                             for n in cfgs["-fp8"].train.drafters}
     cfg = cfgs[""]
     common = {"temperatures": [0.0, 1.0], "num_anchors": cfg.evaluate.block_anchors}
     tally = evaluate_blocks(bf16_drafters, _batches(cfg, target_dir, args.samples), **common)
-    tally = evaluate_blocks(fp8_drafters, _batches(cfgs["-fp8"], target_dir, args.samples), tally=tally, **common)
-    summary = summarise(tally, pairs=PAIRS)
+    if fp8_drafters:
+        tally = evaluate_blocks(fp8_drafters, _batches(cfgs["-fp8"], target_dir, args.samples), tally=tally, **common)
+    summary = summarise(tally, pairs=[p for p in PAIRS if "fp8" not in p[0] + p[1] or fp8_drafters])
     print("\n" + format_table(summary))
     held = {}
     for key, c in cfgs.items():
