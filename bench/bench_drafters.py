@@ -1,5 +1,6 @@
-"""Drafters compared on the same held-out blocks: DFlash, DSpark and the control head at block
-size 7, DFlash and DSpark at block size 16, and DFlash and DSpark trained from an fp8 cache.
+"""Drafters compared on the same held-out blocks: DFlash, DSpark, the control head and DFlash in
+DSpark's block layout (``anchor-layout``: ``[anchor, mask x (gamma-1)]``, no head; it separates the
+layout's share of DSpark's gain from the head's) at block size 7, DFlash and DSpark at block size 16, and DFlash and DSpark trained from an fp8 cache.
 
 Reads a finished demo run (``make demo`` writes ``runs/tiny``: its cache, generated chats and the
 block-7 DFlash and DSpark), trains the other five with the same recipe and steps in run folders
@@ -24,12 +25,15 @@ from pathlib import Path
 from common import REPO
 
 PAIRS = [("dspark", "dflash"), ("control", "dflash"), ("dspark", "control"),
+         ("anchor-layout", "dflash"), ("control", "anchor-layout"), ("dspark", "anchor-layout"),
          ("dflash16", "dflash"), ("dspark16", "dflash16"), ("dspark16", "dspark"),
          ("dflash-fp8", "dflash"), ("dspark-fp8", "dspark"), ("dspark-fp8", "dflash-fp8")]
 LAYERS = "num_layers: 2, mask_token_id: 5, confidence_head: true"
-ABLATIONS = ["~train.drafters.dflash", "~train.drafters.dspark", "train.concurrent_drafters=3",
+ABLATIONS = ["~train.drafters.dflash", "~train.drafters.dspark", "train.concurrent_drafters=2",
              f"++train.drafters.control={{{LAYERS}, block_size: 7, sample_from_anchor: true, head: control, "
              "markov_rank: 64}",
+             f"++train.drafters.anchor-layout={{{LAYERS}, block_size: 7, sample_from_anchor: true, head: none, "
+             "markov_rank: 0}",
              f"++train.drafters.dflash16={{{LAYERS}, block_size: 16, sample_from_anchor: false, head: none, "
              "markov_rank: 0}",
              f"++train.drafters.dspark16={{{LAYERS}, block_size: 16, sample_from_anchor: true, head: markov, "
@@ -68,7 +72,7 @@ def main() -> None:
     from pipeline.target import resolve_target_path
     from training.block_eval import format_table, summarise
     from training.block_runner import evaluate_blocks
-    from training.loop import load_trained_drafter
+    from pipeline.drafters import load_trained_drafter
 
     run = Path(args.run).resolve()
     if not (run / "train").exists():

@@ -18,7 +18,7 @@ def main() -> None:
     from pipeline.prefill import LayerTap
     from pipeline.speculate import plain_decode, speculative_decode
     from pipeline.target import load_target
-    from training.loop import load_trained_drafter
+    from pipeline.drafters import load_trained_drafter
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", default="runs/tiny")

@@ -14,7 +14,7 @@ from common import s3_server, tiny_config
 
 def train_figures(run_dir: str, rows: int, steps: int) -> dict:
     from pipeline.cache import run_cache
-    from pipeline.storage import filesystem
+    from storage import filesystem
     from pipeline.train import run_train
 
     cfg = tiny_config(run_dir, f"cache.max_rows={rows}", "cache.rows_per_shard=64", f"train.max_steps={steps}",

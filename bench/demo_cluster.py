@@ -17,7 +17,7 @@ STAGES = ("generate", "cache", "train", "calibrate", "export", "evaluate")
 
 def figures(run_dir: str) -> dict[str, object]:
     """The run's results that must not depend on where it ran (times excluded)."""
-    from pipeline.storage import join, read_json
+    from storage import join, read_json
 
     s = {k: read_json(join(run_dir, k, "summary.json")) for k in STAGES}
     out: dict[str, object] = {f"generate {k}": s["generate"][k] for k in ("rows_kept", "new_tokens", "finish_reasons")}

@@ -28,7 +28,8 @@ from pipeline.chats import BadRow, RowCounts, RowError, ShardSpan, iter_chats, p
 from pipeline.config import RunConfig
 from pipeline.errors import PipelineError, ShardPlanMismatchError
 from pipeline.render import render_chat, render_options
-from pipeline.storage import filesystem, join, resolve_input
+from storage import filesystem, join
+from pipeline.paths import resolve_input
 
 log = logging.getLogger("pipeline.cache")
 
@@ -64,7 +65,7 @@ def target_fingerprint(cfg: RunConfig, tokenizer, local_dir: str, model_config) 
     Hashes the target's weights that the drafter shares (``embed_tokens``, ``lm_head``), never its
     name; the tokenizer by its serialised state; the chat template by its text.
     """
-    from pipeline.target import load_shared_weights
+    from training.target_weights import load_shared_weights
 
     embed, lm_head = load_shared_weights(local_dir)
     conf = model_config.to_dict()

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from pipeline.config import RunConfig
-from pipeline.storage import filesystem, join, write_json
+from pipeline.errors import PipelineError
+from storage import filesystem, join, write_json
 
 log = logging.getLogger("pipeline.calibrate")
 
@@ -75,7 +76,7 @@ def collect_confidence(model, batches: Iterable[Sequence[Mapping[str, torch.Tens
     from training.blocks import collate_samples
 
     if model.confidence_head is None:
-        raise ValueError("this drafter has no confidence head: nothing to calibrate (set "
+        raise PipelineError("this drafter has no confidence head: nothing to calibrate (set "
                          "train.drafters.<name>.confidence_head=true and retrain)")
     gamma = model.config.block_size
     zs, ys, vs = [], [], []
@@ -97,7 +98,7 @@ def collect_confidence(model, batches: Iterable[Sequence[Mapping[str, torch.Tens
             ys.append(y[keep])
             vs.append(valid[keep])
     if not zs or sum(v.shape[0] for v in vs) == 0:
-        raise ValueError("the held-out samples hold no supervised block: cache more rows or raise "
+        raise PipelineError("the held-out samples hold no supervised block: cache more rows or raise "
                          "train.heldout_shards")
     return ConfidenceSet(torch.cat(zs), torch.cat(ys), torch.cat(vs))
 
@@ -157,7 +158,7 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.target import resolve_target_path
     from pipeline.train import expected_fingerprint
     from training.data import sample_batches, split_shards
-    from training.loop import load_trained_drafter
+    from pipeline.drafters import load_trained_drafter
     from training.losses import LossConfig, expected_tau
     from training.sts import plot_reliability
 

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import pyarrow.parquet as pq
 
 from pipeline.errors import BadInputFileError
-from pipeline.storage import filesystem
+from storage import filesystem
 
 # A chat row above this size is skipped before any decoding or tokenization (bytes of the JSONL line, or
 # of the Parquet row as JSON): tokenizing one 50 MB row took 9 GB of memory, and no sample keeps more than

@@ -25,13 +25,23 @@ def init_ray(cfg: RayConfig) -> None:
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
-    else:
-        ray.init(num_cpus=cfg.num_cpus, include_dashboard=False)
+    else:  # no dashboard, so no state API: quiet the Ray Train thread that polls it (see below)
+        ray.init(num_cpus=cfg.num_cpus, include_dashboard=False,
+                 runtime_env={"worker_process_setup_hook": "pipeline.cluster.quiet_ray_workers"})
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the stages draw their own bars (samples, tokens, bytes)
     ctx.print_on_execution_start = False
+
+
+def quiet_ray_workers() -> None:
+    """Ray's ``worker_process_setup_hook`` of a local instance: Ray Train's placement-group cleaner
+    asks the state API whether the controller is alive every second and, without a dashboard,
+    logs a warning each time (100+ lines a run); only its errors are kept."""
+    import logging
+
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
 
 
 def free_port() -> int:

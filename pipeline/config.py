@@ -297,7 +297,7 @@ def _absolute_paths(cfg: RunConfig) -> RunConfig:
     """Local relative paths (run_dir, data files, SPS table, a local target folder) made absolute
     against the directory the command was started in, before any Ray worker (whose working
     directory differs) sees them. A hub id (``Qwen/Qwen3-4B``) that is not a local path stays as is."""
-    from pipeline.storage import absolute
+    from pipeline.paths import absolute
 
     cfg.run_dir = absolute(cfg.run_dir)
     cfg.data.train_files = [absolute(f) for f in cfg.data.train_files]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.storage import filesystem
+from storage import filesystem
 
 
 def write_text(url: str, text: str) -> None:

@@ -17,7 +17,9 @@ from pipeline.chats import Chat, iter_chats
 from pipeline.config import RunConfig
 from pipeline.render import render_options, render_prompt
 from pipeline.speculate import Decoded, full_block, plain_decode, speculative_decode, threshold_policy
-from pipeline.storage import join, read_json, resolve_input
+from pipeline.errors import PipelineError
+from storage import join, read_json
+from pipeline.paths import resolve_input
 
 
 def eval_prompts(cfg: RunConfig, tokenizer) -> list[tuple[str, list[int]]]:
@@ -153,7 +155,7 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.scheduler import SPSCurve, simulate
     from pipeline.sps import profile_sps
     from pipeline.target import load_target
-    from training.loop import load_trained_drafter
+    from pipeline.drafters import load_trained_drafter
 
     from pipeline.target import resolve_target_path
 
@@ -163,7 +165,7 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
     model, tok, target_dir = load_target(cfg.target)
     prompts = eval_prompts(cfg, tok)
     if not prompts:
-        raise ValueError("no usable evaluation prompt in data.eval_files")
+        raise PipelineError("no usable evaluation prompt in data.eval_files")
     stop = {tok.eos_token_id, *np.atleast_1d(model.generation_config.eos_token_id or []).tolist()} - {None}
     blocks = block_level(cfg, drafters, target_dir) if cfg.evaluate.block_samples else None
     if blocks is not None:

@@ -40,7 +40,7 @@ import torch
 
 from pipeline.config import RunConfig
 from pipeline.errors import PipelineError
-from pipeline.storage import filesystem, join, read_json, write_json
+from storage import filesystem, join, read_json, write_json
 
 log = logging.getLogger("pipeline.export")
 
@@ -287,7 +287,7 @@ def export_drafter(model, target_dir: str, out_url: str, *, temperatures: Sequen
         ExportError: not servable by vLLM (:func:`architecture`), incomplete or untrained
             (:func:`check_tensors`), or temperatures of the wrong length.
     """
-    from pipeline.target import load_shared_weights
+    from training.target_weights import load_shared_weights
     from training.sts import foldable_temperature
 
     with open(f"{target_dir}/config.json") as f:
@@ -318,7 +318,7 @@ def export_drafter(model, target_dir: str, out_url: str, *, temperatures: Sequen
 def _fresh_state(spec, cfg: RunConfig, target_dir: str, d2t) -> dict[str, torch.Tensor]:
     """The initial weights training started from: ``train_worker`` seeds ``train.seed`` right before
     ``build_drafter`` (no other torch draw in between), so the same seed rebuilds them exactly."""
-    from training.loop import build_drafter
+    from pipeline.drafters import build_drafter
 
     with torch.random.fork_rng():
         torch.manual_seed(cfg.train.seed)
@@ -351,7 +351,7 @@ def run_export(cfg: RunConfig) -> dict[str, Any]:
         FileNotFoundError: a drafter has no committed checkpoint (run the train stage).
     """
     from pipeline.target import resolve_target_path
-    from training.loop import load_trained_drafter
+    from pipeline.drafters import load_trained_drafter
 
     target_dir = resolve_target_path(cfg.target.path)
     summary: dict[str, Any] = {"drafters": {}, "skipped": {}}

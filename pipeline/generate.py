@@ -31,7 +31,8 @@ from pipeline.config import RunConfig
 from pipeline.engines import GenerationEngine, SamplingSpec
 from pipeline.errors import PipelineError
 from pipeline.render import render_options, render_prompt
-from pipeline.storage import filesystem, join, resolve_input
+from storage import filesystem, join
+from pipeline.paths import resolve_input
 
 log = logging.getLogger("pipeline.generate")
 
@@ -88,7 +89,7 @@ def settings(cfg: RunConfig, local_dir: str) -> dict[str, Any]:
     SHA-256 of its ``embed_tokens``/``lm_head`` weights, never its name), render options and
     ``data.max_length``."""
     from cache_schema import tensor_sha256
-    from pipeline.target import load_shared_weights
+    from training.target_weights import load_shared_weights
 
     embed, lm_head = load_shared_weights(local_dir)
     return {"sampling": sampling_record(cfg), "render": render_options(cfg.data.render),

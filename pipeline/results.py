@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.storage import join, read_json
+from storage import join, read_json
 
 
 def _read(url: str) -> dict[str, Any] | None:

@@ -18,9 +18,10 @@ from typing import Any, Callable, Sequence
 from cache_schema import CacheError
 from pipeline.config import STAGE_ORDER, RunConfig, Stage, to_dict, to_run_config
 from pipeline.errors import ConfigError, PipelineError
-from pipeline.storage import join, write_json
+from storage import join, write_json
 from pipeline.target import resolve_target_path
 from training.checkpoint import CheckpointError
+from training.target_weights import TargetWeightsError
 
 log = logging.getLogger("pipeline")
 
@@ -163,7 +164,7 @@ def _hydra_entry() -> None:
     def _main(raw: DictConfig) -> None:
         try:
             run_stages(to_run_config(raw))
-        except (PipelineError, CacheError, CheckpointError) as e:
+        except (PipelineError, CacheError, CheckpointError, TargetWeightsError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
 

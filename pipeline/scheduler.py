@@ -81,12 +81,22 @@ class SPSCurve:
 
     @classmethod
     def load(cls, path: str) -> "SPSCurve":
-        """Read a curve written by :meth:`save`; raises ValueError if the keys are missing."""
-        with fsspec.open(path, "r") as f:
-            d = json.load(f)
-        if "batch_tokens" not in d or "steps_per_s" not in d:
-            raise ValueError(f"{path} is not an SPS table: need keys 'batch_tokens' and 'steps_per_s'")
-        return cls(d["batch_tokens"], d["steps_per_s"], d.get("monotone", True))
+        """Read a curve written by :meth:`save` (or by hand: the same two lists).
+
+        Raises:
+            BadInputFileError: not JSON, the keys missing, or a table the constructor refuses (the
+                message names the file and the fix).
+        """
+        from pipeline.errors import BadInputFileError
+
+        try:
+            with fsspec.open(path, "r") as f:
+                d = json.load(f)
+            if not isinstance(d, dict) or "batch_tokens" not in d or "steps_per_s" not in d:
+                raise ValueError("need a JSON object with lists 'batch_tokens' and 'steps_per_s'")
+            return cls(d["batch_tokens"], d["steps_per_s"], d.get("monotone", True))
+        except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+            raise BadInputFileError(f"{path} is not a usable SPS table: {e}") from None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pipeline.embedded.build import BuildSpec, ensure_embedded
 from pipeline.embedded.target import TargetSpec
 from pipeline.export import check_tensors, expected_tensors
 from pipeline.run import DEFAULT_CONFIG
-from pipeline.storage import filesystem, join, read_json
+from storage import filesystem, join, read_json
 
 pytestmark = pytest.mark.integration
 

@@ -10,10 +10,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pipeline.errors import PipelineError
+
 from pipeline.calibrate import (ConfidenceSet, calibrate_drafter, collect_confidence, load_confidence,
                                 save_confidence)
 from pipeline.prefill import TargetPrefill
-from pipeline.target import load_shared_weights
+from training.target_weights import load_shared_weights
 from training.blocks import collate_samples
 from training.drafter import Drafter, DrafterConfig
 from training.losses import LossConfig
@@ -83,7 +85,7 @@ def test_collect_refuses_a_drafter_without_confidence_head(tiny_target_dir, held
     tc = AutoConfig.from_pretrained(tiny_target_dir, local_files_only=True)
     model = Drafter(DrafterConfig(target_layer_ids=IDS, mask_token_id=5, num_layers=1, block_size=4, markov_rank=0,
                                   confidence_head=False), tc, embed, lm_head)
-    with pytest.raises(ValueError, match="no confidence head"):
+    with pytest.raises(PipelineError, match="no confidence head"):
         collect_confidence(model, [held_out], LossConfig(), seed=0)
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from training.spec_sampling import temperature_probs
 from training.heads import (ConfidenceHead, ControlHead, GatedMarkovHead, MarkovHead, RNNHead,
-                            build_sequential_head, draft_probs, sample_sequential)
+                            build_sequential_head, sample_sequential)
 
 V, VD, R, H, S = 40, 40, 6, 8, 5
 
@@ -144,10 +145,10 @@ def test_confidence_head_is_one_linear_layer():
     assert tuple(head.state_dict()["proj.weight"].shape) == (1, 5)
 
 
-def test_draft_probs_rejects_negative_temperature():
-    assert torch.equal(draft_probs(torch.tensor([0.1, 3.0, 2.0]), 0.0), torch.tensor([0.0, 1.0, 0.0]))
+def test_draft_distribution_rejects_negative_temperature():
+    assert torch.equal(temperature_probs(torch.tensor([0.1, 3.0, 2.0]), 0.0), torch.tensor([0.0, 1.0, 0.0]))
     with pytest.raises(ValueError, match="temperature"):
-        draft_probs(torch.zeros(3), -1.0)
+        temperature_probs(torch.zeros(3), -1.0)
 
 
 def test_sampled_tokens_follow_q_empirically():

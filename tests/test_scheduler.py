@@ -48,9 +48,13 @@ def test_sps_curve_json_roundtrip_and_errors(tmp_path):
         SPSCurve([1, 1], [2.0, 3.0])
     with pytest.raises(ValueError, match="> 0"):
         SPSCurve([1, 2], [2.0, 0.0])
-    (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(ValueError, match="not an SPS table"):
-        SPSCurve.load(str(tmp_path / "bad.json"))
+    from pipeline.errors import BadInputFileError
+
+    for text, why in (("{}", "batch_tokens"), ("not json", "Expecting value"),
+                      ('{"batch_tokens": [1, 1], "steps_per_s": [2, 3]}', "duplicate B")):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(BadInputFileError, match=f"bad.json is not a usable SPS table: .*{why}"):
+            SPSCurve.load(str(tmp_path / "bad.json"))
 
 
 # ---------------------------------------------------------------- Algorithm 1

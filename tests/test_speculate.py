@@ -8,7 +8,7 @@ from pipeline.evaluate import round_metrics
 from pipeline.prefill import LayerTap
 from pipeline.speculate import Decoded, Round, plain_decode, speculative_decode, threshold_policy
 from training.drafter import Drafter
-from training.loop import drafter_config
+from pipeline.drafters import drafter_config
 
 
 @pytest.fixture(scope="module")

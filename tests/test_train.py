@@ -190,7 +190,7 @@ def test_reduced_draft_vocabulary_built_from_the_cache(cached_run, tiny_target_d
     from pipeline.train import run_train
     from training.data import split_shards
     from training.draft_vocab import build_d2t, count_supervised_tokens
-    from training.loop import load_trained_drafter
+    from pipeline.drafters import load_trained_drafter
 
     root, data = cached_run
     run_dir = tmp_path / "vocab"

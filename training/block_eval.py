@@ -24,6 +24,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from training.spec_sampling import temperature_probs
+
 __all__ = ["ENTROPY_BINS", "block_uniforms", "speculative_outcomes", "paired_ratio", "PairedTally",
            "summarise", "format_table"]
 
@@ -119,8 +121,7 @@ def speculative_outcomes(q_logits: torch.Tensor, p_logits: torch.Tensor, valid: 
         c_star = accept.double()
         ent_logits = p_logits[:, 0].to(dt)
     else:
-        q = torch.softmax(q_logits.to(dt) / temperature, dim=-1)
-        p = torch.softmax(p_logits.to(dt) / temperature, dim=-1)
+        q, p = temperature_probs(q_logits.to(dt), temperature), temperature_probs(p_logits.to(dt), temperature)
         cdf = q.cumsum(-1)
         target = u_draw[:, :gamma].to(dev, dt) * cdf[..., -1]
         tokens = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.storage import filesystem, join
+from storage import filesystem, join
 
 
 class CheckpointError(RuntimeError):

@@ -31,8 +31,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from training.spec_sampling import temperature_probs
+
 __all__ = ["MarkovHead", "GatedMarkovHead", "RNNHead", "ControlHead", "ConfidenceHead", "HEAD_TYPES",
-           "build_sequential_head", "draft_probs", "sample_sequential"]
+           "build_sequential_head", "sample_sequential"]
 
 
 class MarkovHead(nn.Module):
@@ -184,24 +186,6 @@ def build_sequential_head(head_type: str, *, vocab_size: int, draft_vocab_size: 
     return HEAD_TYPES[head_type](vocab_size, draft_vocab_size, rank, hidden_size, slots)
 
 
-def draft_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Draft distribution ``softmax(logits / T)``; ``T == 0`` gives the one-hot of the argmax.
-
-    Args:
-        logits: [..., V] float. temperature: T >= 0 (unitless).
-    Returns:
-        [..., V] float32 probabilities on ``logits``' device.
-    Raises:
-        ValueError: T negative or not finite.
-    """
-    if not (0 <= temperature < float("inf")):
-        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-    if temperature == 0:
-        hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-        return hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.softmax(logits.float() / temperature, dim=-1)
-
-
 def sample_sequential(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor,
                       head: MarkovHead | None, temperature: float, generator: torch.Generator | None,
                       draft_to_target: torch.Tensor | None = None
@@ -238,7 +222,7 @@ def sample_sequential(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_id
         idx = score.argmax(-1)
         tokens = idx if draft_to_target is None else draft_to_target[idx]
         prev = torch.cat([anchor_ids.long().view(-1, 1), tokens[:, :-1]], dim=1)
-        return tokens, draft_probs(base_logits, temperature), prev
+        return tokens, temperature_probs(base_logits, temperature), prev
     x, state, tokens, prevs, biases = anchor_ids.long(), None, [], [], []
     for k in range(base_logits.shape[1]):
         u, state = head.step(state, x, hidden[:, k])
@@ -248,5 +232,5 @@ def sample_sequential(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_id
         biases.append(bias)
         x = idx if draft_to_target is None else draft_to_target[idx]
         tokens.append(x)
-    q = draft_probs(base_logits.float() + torch.stack(biases, 1), temperature)
+    q = temperature_probs(base_logits.float() + torch.stack(biases, 1), temperature)
     return torch.stack(tokens, 1), q, torch.stack(prevs, 1)

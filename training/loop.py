@@ -17,9 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.config import DrafterSpec, RunConfig, SequentialHead
-from pipeline.storage import filesystem, join
+from storage import filesystem, join
+from training.job import TrainJob
 from training.record import check_record, model_record
+
+
+FROZEN_PREFIXES = ("embed_tokens.", "lm_head.", "target_lm_head")
+"""Parameter names of the target's frozen weights inside a drafter: never saved, trained or exported."""
 
 
 @dataclass
@@ -31,30 +35,13 @@ class Position:
     micro: int = 0
 
 
-def drafter_config(spec: DrafterSpec, cfg: RunConfig):
-    """The model's :class:`training.drafter.DrafterConfig` for one configured drafter."""
-    from training.drafter import DrafterConfig
-
-    return DrafterConfig(
-        target_layer_ids=cfg.target.target_layer_ids, mask_token_id=spec.mask_token_id,
-        num_layers=spec.num_layers, block_size=spec.block_size, sample_from_anchor=spec.sample_from_anchor,
-        markov_rank=spec.markov_rank,
-        head_type="markov" if spec.head == SequentialHead.none else spec.head.value,
-        confidence_head=spec.confidence_head, confidence_grad_to_backbone=spec.confidence_grad_to_backbone,
-        num_anchors=cfg.train.num_anchors, draft_vocab_size=spec.draft_vocab_size)
-
-
-def build_drafter(spec: DrafterSpec, cfg: RunConfig, target_dir: str, d2t: torch.Tensor | None = None):
-    """A freshly initialised drafter sharing the target's frozen ``embed_tokens`` and ``lm_head``."""
-    return build_drafter_from(drafter_config(spec, cfg), target_dir, d2t)
-
-
 def build_drafter_from(config, target_dir: str, d2t: torch.Tensor | None = None):
-    """A freshly initialised drafter of a :class:`training.drafter.DrafterConfig` on the target."""
+    """A freshly initialised drafter of a :class:`training.drafter.DrafterConfig` on the target
+    (the frozen ``embed_tokens`` / ``lm_head`` read from ``target_dir``'s safetensors)."""
     from transformers import AutoConfig
 
-    from pipeline.target import load_shared_weights
     from training.drafter import Drafter
+    from training.target_weights import load_shared_weights
 
     embed, lm_head = load_shared_weights(target_dir)
     tc = AutoConfig.from_pretrained(target_dir, local_files_only=True)
@@ -89,22 +76,20 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def plan_steps(split, cfg: RunConfig, world: int) -> list[int]:
+def plan_steps(split, job: TrainJob, world: int) -> list[int]:
     """Micro-steps per epoch, every rank alike (see :func:`training.data.micro_steps_per_epoch`)."""
     from training.data import micro_steps_per_epoch
 
-    accumulation = cfg.train.global_batch_samples // (cfg.train.micro_batch_samples * world)
-    return [micro_steps_per_epoch(split, seed=cfg.train.seed, epoch=e, world=world,
-                                  micro_batch=cfg.train.micro_batch_samples, accumulation=accumulation)
-            for e in range(cfg.train.epochs)]
+    return [micro_steps_per_epoch(split, seed=job.seed, epoch=e, world=world, micro_batch=job.micro_batch_samples,
+                                  accumulation=job.accumulation(world))
+            for e in range(job.epochs)]
 
 
-def total_steps(micro_per_epoch: list[int], cfg: RunConfig, world: int) -> int:
+def total_steps(micro_per_epoch: list[int], job: TrainJob, world: int) -> int:
     """Optimizer steps of the whole run: every epoch's micro-steps over the accumulation, capped
-    by ``train.max_steps``."""
-    accumulation = cfg.train.global_batch_samples // (cfg.train.micro_batch_samples * world)
-    total = sum(micro_per_epoch) // accumulation
-    return total if cfg.train.max_steps is None else min(total, cfg.train.max_steps)
+    by ``job.max_steps``."""
+    total = sum(micro_per_epoch) // job.accumulation(world)
+    return total if job.max_steps is None else min(total, job.max_steps)
 
 
 def _save(engine, train_url: str, pos: Position, state: dict[str, Any]) -> None:
@@ -121,8 +106,7 @@ def _save(engine, train_url: str, pos: Position, state: dict[str, Any]) -> None:
         write_part(ckpt, rank, upload_dir(tmp, join(ckpt, "engine")))
     full = engine.consolidated_state()
     if rank == 0:
-        weights = {k: v.detach().float().contiguous() for k, v in full.items()
-                   if not k.startswith(("embed_tokens.", "lm_head.", "target_lm_head"))}
+        weights = {k: v.detach().float().contiguous() for k, v in full.items() if not k.startswith(FROZEN_PREFIXES)}
         with tempfile.TemporaryDirectory() as tmp:
             save_file(weights, f"{tmp}/drafter.safetensors")
             fs, path = filesystem(join(ckpt, "drafter.safetensors"))
@@ -168,71 +152,65 @@ def _metrics_row(out, engine, pos: Position, tokens: int, seconds: float, wait: 
 
 
 def train_worker(config: dict[str, Any]) -> None:
-    """Train one drafter (``config["drafter"]``) on the run's cache; the Ray Train entry point.
+    """Train one drafter (``config["job"]``, a :class:`training.job.TrainJob`) on its cache; the
+    Ray Train entry point.
 
-    Writes, under ``<run_dir>/train/<drafter>/``: committed checkpoints, ``metrics.jsonl`` (rank 0,
-    one row per optimizer step), TensorBoard events, and ``result.json`` at the end.
+    Writes, under ``job.output_url``: committed checkpoints, ``metrics.jsonl`` (rank 0, one row per
+    optimizer step), TensorBoard events, ``curves.png`` and ``result.json`` at the end.
 
     Raises:
-        FingerprintMismatchError: the cache does not fit the training config (before step 1).
-        CheckpointError: an incomplete checkpoint or one written for another world size.
+        FingerprintMismatchError: the cache does not fit the job's fingerprint (before step 1).
+        CheckpointError: an incomplete checkpoint or one written for another world size or model.
+        ValueError: the cache's training samples make no full optimizer step.
     """
-    cfg: RunConfig = config["cfg"]
-    name: str = config["drafter"]
-    if not cfg.train.use_gpu:
+    job: TrainJob = config["job"]
+    if not job.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from cache_schema import CacheReader, Fingerprint
-    from pipeline.cache import cache_url
     from training.blocks import collate_samples
     from training.checkpoint import upload_dir
     from training.data import Prefetcher, rank_order, split_shards
     from training.engine import make_engine
-    from training.losses import LossConfig
     from training.validation import curve_summary, plot_curves, validate, validation_batches
 
     rank, world = _rank_world()
-    torch.manual_seed(cfg.train.seed)
-    reader = CacheReader(cache_url(cfg), Fingerprint.from_json(config["fingerprint"]))
-    split = split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards,
-                         cfg.train.validation_shards)
-    val_batches = validation_batches(split, reader, micro_batch=cfg.train.micro_batch_samples,
-                                     max_samples=cfg.train.validation_samples, world=world)
-    micro_per_epoch = plan_steps(split, cfg, world)
-    accumulation = cfg.train.global_batch_samples // (cfg.train.micro_batch_samples * world)
-    total = total_steps(micro_per_epoch, cfg, world)
+    torch.manual_seed(job.seed)
+    reader = CacheReader(job.cache_url, Fingerprint.from_json(job.fingerprint))
+    split = split_shards({s: r.num_samples for s, r in reader.records.items()}, job.heldout_shards,
+                         job.validation_shards)
+    val_batches = validation_batches(split, reader, micro_batch=job.micro_batch_samples,
+                                     max_samples=job.validation_samples, world=world)
+    micro_per_epoch = plan_steps(split, job, world)
+    accumulation = job.accumulation(world)
+    total = total_steps(micro_per_epoch, job, world)
     if total < 1:
         raise ValueError(f"the cache's {sum(split.counts[s] for s in split.train)} training samples make no full "
-                         f"optimizer step of train.global_batch_samples={cfg.train.global_batch_samples}")
-    spec = cfg.train.drafters[name]
+                         f"optimizer step of {job.global_batch_samples} samples")
     d2t = None
-    if spec.draft_vocab_size is not None:  # the same on every rank: counted over all training shards
+    if job.model.draft_vocab_size is not None:  # the same on every rank: counted over all training shards
         from training.draft_vocab import build_d2t, count_supervised_tokens
 
         counts = count_supervised_tokens(reader.token_arrays(split.train), reader.fingerprint.target["vocab_size"])
-        d2t = build_d2t(counts, spec.draft_vocab_size)
-    model = build_drafter(spec, cfg, config["target_dir"], d2t)
-    engine = make_engine(model, cfg.train.zero_stage, lr=cfg.train.lr, betas=(0.9, cfg.train.adam_beta2),
-                         weight_decay=cfg.train.weight_decay,
-                         total_steps=total, warmup_ratio=cfg.train.warmup_ratio, bf16=cfg.train.precision == "bf16",
-                         micro_batch=cfg.train.micro_batch_samples, accumulation=accumulation,
-                         grad_clip=cfg.train.grad_clip)
-    train_url = join(cfg.run_dir, "train", name)
-    pos = _resume(engine, train_url, world, cfg.train.zero_stage, name)
-    loss_cfg = LossConfig(ce_weight=cfg.train.loss_ce, tv_weight=cfg.train.loss_tv,
-                          confidence_weight=cfg.train.loss_conf, decay_lambda=cfg.train.decay_lambda)
-    state = {"drafter": name, "zero_stage": cfg.train.zero_stage, "total_steps": total, "seed": cfg.train.seed,
-             "model": model_record(model.config), "cache_fingerprint": config["fingerprint"],
+        d2t = build_d2t(counts, job.model.draft_vocab_size)
+    model = build_drafter_from(job.model, job.target_dir, d2t)
+    engine = make_engine(model, job.zero_stage, lr=job.lr, betas=job.betas, weight_decay=job.weight_decay,
+                         total_steps=total, warmup_ratio=job.warmup_ratio, bf16=job.bf16,
+                         micro_batch=job.micro_batch_samples, accumulation=accumulation, grad_clip=job.grad_clip)
+    name, train_url, loss_cfg = job.drafter, job.output_url, job.loss
+    pos = _resume(engine, train_url, world, job.zero_stage, name)
+    state = {"drafter": name, "zero_stage": job.zero_stage, "total_steps": total, "seed": job.seed,
+             "model": model_record(model.config), "cache_fingerprint": job.fingerprint,
              "reduced_vocabulary": d2t is not None}
     log = MetricsLog(join(train_url, "metrics.jsonl"), pos.step) if rank == 0 else None
     tb = _tensorboard() if rank == 0 else None
     bar = _progress(total, pos.step, name) if rank == 0 else None
     t_step, tokens, waited, last = time.perf_counter(), 0, 0.0, None
-    while pos.step < total and pos.epoch < cfg.train.epochs:
-        order = rank_order(split, seed=cfg.train.seed, epoch=pos.epoch, rank=rank, world=world)
-        feed = Prefetcher(reader, order, cfg.train.micro_batch_samples, pos.micro, micro_per_epoch[pos.epoch])
+    while pos.step < total and pos.epoch < job.epochs:
+        order = rank_order(split, seed=job.seed, epoch=pos.epoch, rank=rank, world=world)
+        feed = Prefetcher(reader, order, job.micro_batch_samples, pos.micro, micro_per_epoch[pos.epoch])
         for samples in feed:
             batch = collate_samples(samples)
-            gen = torch.Generator().manual_seed(hash((cfg.train.seed, pos.epoch, pos.micro, rank)) % 2**63)
+            gen = torch.Generator().manual_seed(hash((job.seed, pos.epoch, pos.micro, rank)) % 2**63)
             blocks = engine.module.make_blocks(batch, gen)
             out = engine.module.loss(engine(batch, blocks), loss_cfg)
             engine.backward(out.loss * world)  # the engine averages gradients over ranks
@@ -244,7 +222,7 @@ def train_worker(config: dict[str, Any]) -> None:
             pos.step += 1
             seconds = time.perf_counter() - t_step
             validated = {}
-            if val_batches and (pos.step % cfg.train.validate_every_steps == 0 or pos.step == total):
+            if val_batches and (pos.step % job.validate_every_steps == 0 or pos.step == total):
                 val = validate(engine.module, reader, val_batches, loss_cfg, rank=rank, world=world)
                 validated = {f"val_{k}": v for k, v in val.items()}
             if rank == 0:
@@ -253,7 +231,7 @@ def train_worker(config: dict[str, Any]) -> None:
                 log.add(last)
                 _log_step(last, tb, bar)
             t_step, tokens, waited = time.perf_counter(), 0, feed.wait_seconds
-            if pos.step % cfg.train.checkpoint_every_steps == 0 or pos.step == total:
+            if pos.step % job.checkpoint_every_steps == 0 or pos.step == total:
                 if rank == 0:
                     log.flush()
                 _save(engine, train_url, pos, state)
@@ -328,33 +306,33 @@ def _progress(total: int, done: int, name: str):
     return tqdm(total=total, initial=done, desc=f"train {name}", unit="step")
 
 
-def load_trained_drafter(cfg: RunConfig, name: str, target_dir: str):
-    """The drafter ``name`` with the weights of its newest committed checkpoint (eval mode).
+def load_checkpoint_drafter(train_url: str, current, target_dir: str, *, drafter: str):
+    """The drafter of the newest committed checkpoint under ``train_url``, built from the model
+    config the checkpoint records (eval mode), or None when nothing is committed there.
 
+    Args:
+        current: the :class:`training.drafter.DrafterConfig` the run config gives now; it must agree
+            with the record (:func:`training.record.check_record`) and supplies the run-time fields.
+        drafter: its name in the run config (for messages).
     Raises:
-        MissingStageOutputError (a FileNotFoundError): no committed checkpoint under
-        ``<run_dir>/train/<name>`` (run the train stage).
+        CheckpointError: no model record, a record that disagrees with ``current``, or weights that
+            do not fit the recorded model.
     """
     from safetensors.torch import load
-    from training.checkpoint import latest_checkpoint
 
-    found = latest_checkpoint(join(cfg.run_dir, "train", name))
+    from training.checkpoint import CheckpointError, latest_checkpoint
+
+    found = latest_checkpoint(train_url)
     if found is None:
-        from pipeline.errors import MissingStageOutputError
-
-        raise MissingStageOutputError(f"no committed checkpoint for drafter {name!r} under {cfg.run_dir}/train/{name}: "
-                                      "run +stage=train first")
-    current = drafter_config(cfg.train.drafters[name], cfg)
+        return None
     recorded = recorded_config(found[1], found[0], current)
-    check_record(recorded, current, drafter=name, where=found[0])
+    check_record(recorded, current, drafter=drafter, where=found[0])
     fs, path = filesystem(join(found[0], "drafter.safetensors"))
     weights = load(fs.cat_file(path))
-    d2t = weights.get("d2t")
-    model = build_drafter_from(recorded, target_dir, d2t)
+    model = build_drafter_from(recorded, target_dir, weights.get("d2t"))
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    frozen = ("embed_tokens.", "lm_head.", "target_lm_head")
-    missing = [k for k in missing if not k.startswith(frozen)]
+    missing = [k for k in missing if not k.startswith(FROZEN_PREFIXES)]
     if missing or unexpected:
-        raise ValueError(f"{path}: checkpoint does not fit drafter {name!r} (missing {missing}, unexpected "
-                         f"{unexpected}); the train.drafters.{name} config changed since training")
+        raise CheckpointError(f"{path}: the weights do not fit the model the checkpoint records (missing {missing}, "
+                              f"unexpected {unexpected}): the checkpoint is damaged; retrain drafter {drafter!r}")
     return model.eval()

@@ -28,8 +28,9 @@ def temperature_probs(logits: torch.Tensor, T: float) -> torch.Tensor:
     Args:
         logits: [..., V] float logits. T: temperature >= 0 (unitless).
     Returns:
-        probabilities [..., V], float32 (float64 if ``logits`` is float64); for ``T == 0`` the one-hot
-        of ``argmax`` (first index on ties), which makes speculative sampling exact greedy decoding.
+        probabilities [..., V] on ``logits``' device, float32 (float64 if ``logits`` is float64); for
+        ``T == 0`` the one-hot of ``argmax`` (first index on ties), which makes speculative sampling
+        exact greedy decoding. The one function for target and draft distributions alike.
     Raises:
         ValueError: ``T < 0`` or not finite.
     """
@@ -37,7 +38,7 @@ def temperature_probs(logits: torch.Tensor, T: float) -> torch.Tensor:
         raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {T}")
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     if T == 0:
-        hot = torch.zeros(logits.shape, dtype=dtype)
+        hot = torch.zeros(logits.shape, dtype=dtype, device=logits.device)
         return hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.softmax(logits.to(dtype) / T, dim=-1)
 

@@ -118,7 +118,7 @@ def references(cfg, paths, folded: float | None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from training.loop import load_trained_drafter
+    from pipeline.drafters import load_trained_drafter
 
     tok = AutoTokenizer.from_pretrained(paths.target_dir, local_files_only=True)
     target = AutoModelForCausalLM.from_pretrained(paths.target_dir, local_files_only=True).eval()

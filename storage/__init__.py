@@ -1,12 +1,13 @@
 """The one filesystem abstraction for data paths: fsspec URLs (``s3://``, ``file://``, plain paths).
 
+The bottom layer of the product: every package may import it, it imports none of them.
+
 Credentials and endpoints come from each backend's standard environment (for S3: AWS_* variables,
 including AWS_ENDPOINT_URL); they are never taken from configs, logged or written to summaries.
 """
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import fsspec
@@ -39,22 +40,3 @@ def read_json(url: str) -> Any:
     fs, path = filesystem(url)
     with fs.open(path, "r") as f:
         return json.load(f)
-
-
-def resolve_input(url: str) -> str:
-    """``embedded:...`` names (the built-in demo target and data) to local paths, built on first
-    use; any other URL unchanged."""
-    if url.startswith("embedded:"):
-        from pipeline.embedded import resolve_embedded
-
-        return resolve_embedded(url)
-    return url
-
-
-def absolute(url: str) -> str:
-    """A plain relative path made absolute against the current directory (Ray workers run in other
-    directories); URLs with a scheme (``s3://``, ``file://``, ``memory://``) and ``embedded:`` names
-    unchanged; ``~`` expanded."""
-    if "://" in url or url.startswith("embedded:"):
-        return url
-    return os.path.abspath(os.path.expanduser(url))

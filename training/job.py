@@ -1,0 +1,63 @@
+"""What one drafter's training run is given: a typed job, built by the train stage
+(:func:`pipeline.train.train_job`) from the run config, so that ``training`` knows nothing of it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from training.drafter import DrafterConfig
+from training.losses import LossConfig
+
+__all__ = ["TrainJob"]
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """One drafter's training run.
+
+    Attributes:
+        drafter: its name (messages, Ray run names). model: the drafter's full config.
+        cache_url: the committed cache it trains on. fingerprint: that cache's expected
+            fingerprint, as JSON (``cache_schema.Fingerprint.to_json``).
+        target_dir: local folder of the target's safetensors (the frozen ``embed_tokens`` and
+            ``lm_head`` the drafter shares). output_url: where checkpoints, ``metrics.jsonl``,
+            TensorBoard events, ``curves.png`` and ``result.json`` go (``<run_dir>/train/<drafter>``).
+        loss: the loss weights.
+        lr, betas, weight_decay, warmup_ratio, grad_clip: AdamW, the warm-up + cosine schedule
+            (:func:`training.engine.lr_lambda`) and the gradient-norm clip.
+        zero_stage: 0 = DDP, 1-3 = DeepSpeed ZeRO. bf16: bf16 autocast. use_gpu: CUDA workers.
+        seed: initialisation, data order and anchors. epochs, max_steps: the budget.
+        global_batch_samples, micro_batch_samples: samples per optimizer step and per forward.
+        heldout_shards, validation_shards: shards kept out of training (:func:`training.data.split_shards`).
+        validation_samples, validate_every_steps: the held-out learning curve.
+        checkpoint_every_steps: committed checkpoint cadence (and the last step).
+    """
+
+    drafter: str
+    model: DrafterConfig
+    cache_url: str
+    fingerprint: str
+    target_dir: str
+    output_url: str
+    loss: LossConfig
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+    warmup_ratio: float
+    grad_clip: float
+    zero_stage: int
+    bf16: bool
+    use_gpu: bool
+    seed: int
+    epochs: int
+    max_steps: int | None
+    global_batch_samples: int
+    micro_batch_samples: int
+    heldout_shards: int
+    validation_shards: int
+    validation_samples: int
+    validate_every_steps: int
+    checkpoint_every_steps: int
+
+    def accumulation(self, world: int) -> int:
+        """Micro-steps per optimizer step on each of ``world`` ranks."""
+        return self.global_batch_samples // (self.micro_batch_samples * world)
