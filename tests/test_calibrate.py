@@ -10,10 +10,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pipeline.errors import PipelineError
-
 from pipeline.calibrate import (ConfidenceSet, calibrate_drafter, collect_confidence, load_confidence,
                                 save_confidence)
+from pipeline.errors import PipelineError
 from pipeline.prefill import TargetPrefill
 from training.target_weights import load_shared_weights
 from training.blocks import collate_samples
