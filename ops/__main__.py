@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cache_schema import CacheError, CacheNotFoundError
-from ops import compare, estimate, inspect, repair, verify
-from ops.inspect import UsageError
+from ops import compare, estimate, listing, repair, sample, verify
+from ops.common import UsageError
 from ops.report import to_json
 from ops.verify import VerifyInterrupted
 from pipeline.errors import PipelineError
@@ -95,16 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _sample(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
     if (a.index is None) == (a.row is None):
         raise UsageError("give a sample INDEX or --row SOURCE:ROW (one of them)")
-    return inspect.sample(a.url, a.index, a.row, a.target, a.positions, a.top_k)
+    return sample.sample(a.url, a.index, a.row, a.target, a.positions, a.top_k)
 
 
 HANDLERS: dict[str, tuple[Handler, Callable[[dict[str, Any]], str]]] = {
-    "ls": (lambda a: inspect.ls(a.url), inspect.render_ls),
-    "stat": (lambda a: inspect.stat(a.url, a.data, a.rows_per_shard), inspect.render_stat),
+    "ls": (lambda a: listing.ls(a.url), listing.render_ls),
+    "stat": (lambda a: listing.stat(a.url, a.data, a.rows_per_shard), listing.render_stat),
     "verify": (lambda a: verify.verify(a.url, workers=a.workers, cursor=a.cursor, restart=a.restart,
                                        progress=not a.no_progress), verify.render_verify),
-    "sample": (_sample, inspect.render_sample),
-    "du": (lambda a: inspect.du(a.url), inspect.render_du),
+    "sample": (_sample, sample.render_sample),
+    "du": (lambda a: listing.du(a.url), listing.render_du),
     "gc": (lambda a: repair.gc(a.url, yes=a.yes, min_age_s=a.min_age), repair.render_gc),
     "estimate": (lambda a: estimate.estimate(a.config, a.overrides, workers=a.workers), estimate.render_estimate),
     "diff": (lambda a: compare.diff(a.url_a, a.url_b), compare.render_diff),

@@ -13,7 +13,7 @@ from typing import Any
 
 from cache_schema import CacheRoot, ShardRecord
 from cache_schema.layout import ATTR_CONTENT_HASHES, ATTR_SAMPLE_IDS, shard_group_key
-from ops.inspect import open_root
+from ops.common import open_root
 from ops.report import key_values, preview
 
 DIFF_KEYS = ("fingerprint", "only_in_a", "only_in_b", "content_differs", "duplicates_a", "duplicates_b",

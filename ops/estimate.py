@@ -60,7 +60,7 @@ def estimate(config: str, overrides: list[str], *, workers: int = 1,
     from tqdm import tqdm
     from transformers import AutoConfig
 
-    from ops.inspect import UsageError
+    from ops.common import UsageError
     from pipeline.cache import cache_url, plan, storage_config
     from pipeline.chats import RowCounts
     from pipeline.run import load_config

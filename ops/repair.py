@@ -14,7 +14,7 @@ from typing import Any
 
 from cache_schema import CacheRoot
 from cache_schema.layout import parse_shard_name, shard_group_key, shard_name
-from ops.inspect import QUARANTINE_DIR, group_objects, open_root, shard_groups
+from ops.common import QUARANTINE_DIR, group_objects, open_root, shard_groups
 from ops.report import human_bytes, table
 
 DEFAULT_MIN_AGE_S = 3600.0

@@ -35,7 +35,7 @@ from cache_schema import (CacheError, CacheRoot, CorruptRecordError, Fingerprint
 from cache_schema.layout import (ATTR_CONTENT_HASHES, ATTR_ENCODING, ATTR_SAMPLE_IDS, BF16_BITS,
                                  FEATURE_SCALE, FEATURES, FP8_E4M3_BITS, INPUT_IDS, LAST_HIDDEN,
                                  LOSS_MASK, OFFSETS, ROW, SOURCE, SUP_OFFSETS, bits_to_bf16, commit_key)
-from ops.inspect import open_group, open_root
+from ops.common import open_group, open_root
 from ops.report import preview, table
 
 BLOCK_BYTES = 64 * 2**20
@@ -318,7 +318,7 @@ def verify(url: str, *, workers: int = 4, cursor: str | None = None, restart: bo
     """
     from tqdm import tqdm
 
-    from ops.inspect import UsageError
+    from ops.common import UsageError
 
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")

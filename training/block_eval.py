@@ -272,7 +272,7 @@ def summarise(tally: PairedTally, *, baseline: str | None = None, pairs: Iterabl
                 raise ValueError(f"pair ({a!r}, {b!r}) at T={t}: slot-0 target entropies differ, so the "
                                  "blocks are not the same (feed both drafters the same batches in order)")
             r, se = paired_ratio(ta, tb)
-            (ma, sa), (mb, sb) = _mean_se(ta), _mean_se(tb)
+            (_, sa), (mb, sb) = _mean_se(ta), _mean_se(tb)
             se_u = math.sqrt(sa ** 2 + (r * sb) ** 2) / mb if ta.numel() else math.nan
             bins = []
             for (lo, hi), mk in zip(entropy_bins, _bin_masks(eb, entropy_bins)):
