@@ -1,0 +1,133 @@
+"""Reasoning data (Qwen3 thinking traces): ingestion keeps them, rendering and the loss mask follow
+what the template emits, on Qwen3-4B's real template and on a template that keeps all reasoning."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.chats import Chat, iter_chats
+from pipeline.config import RenderConfig
+from pipeline.render import render_chat, render_prompt
+
+REASONING = Path(__file__).parent / "fixtures" / "reasoning" / "chats.jsonl"
+RC = RenderConfig()
+
+
+def _rows():
+    return {r.row_id: r.messages for r in iter_chats(str(REASONING), 0)}
+
+
+def _render(tok, msgs):
+    return render_chat(tok, msgs, RC, max_length=4096, min_loss_tokens=1)
+
+
+def _spans(tok, r):
+    """The supervised text, one string per contiguous supervised span."""
+    on = np.flatnonzero(r.loss_mask)
+    return [tok.decode(r.input_ids[s].tolist()) for s in np.split(on, np.flatnonzero(np.diff(on) > 1) + 1)]
+
+
+def _template_ids(tok, msgs):
+    return list(tok.apply_chat_template(list(msgs), tokenize=True, return_dict=False))
+
+
+def test_every_reasoning_row_is_kept_with_its_reasoning():
+    rows = list(iter_chats(str(REASONING), 0))
+    assert all(isinstance(r, Chat) for r in rows) and len(rows) == 5
+    by_id = _rows()
+    assert by_id["r1"][1] == {"role": "assistant", "content": "5", "reasoning_content": "Two plus three is five."}
+    assert by_id["r3"][2]["reasoning_content"] == "11 has no divisor but 1 and itself."  # alias "reasoning"
+    assert by_id["r4"][1]["reasoning_content"] == "9 = 3 * 3, so it is not."  # alias "thinking", ShareGPT
+    assert by_id["r2"][1] == {"role": "assistant", "content": "<think>\nTwo plus three is five.\n</think>\n\n5"}
+
+
+# what Qwen3-4B's template emits for each answer after its generation prompt
+# (<|im_start|>assistant\n<think>\n), plus the end-of-turn token; earlier turns lose their reasoning
+QWEN3_SUPERVISED = {
+    "r1": ["5<|im_end|>", "The last answer was 5, and 5 times 4 is 20.\n</think>\n\n20<|im_end|>"],
+    "r3": ["11 has no divisor but 1 and itself.\n</think>\n\n11<|im_end|>"],
+    "r4": ["No: 9 = 3 * 3.<|im_end|>", "7 has no divisor but 1 and 7.\n</think>\n\nYes, 7 is prime.<|im_end|>"],
+    # no reasoning: the empty think block's "\n\n" is one token that starts in the prompt's "\n"
+    "r5": ["\n\n</think>\n\nok<|im_end|>"],
+}
+QWEN3_SUPERVISED["r2"] = QWEN3_SUPERVISED["r1"]  # inline <think> renders as reasoning_content does
+
+
+@pytest.mark.parametrize("rid", sorted(QWEN3_SUPERVISED))
+def test_qwen3_template_ids_and_supervised_text(qwen3_tokenizer, rid):
+    tok, msgs = qwen3_tokenizer, _rows()[rid]
+    r = _render(tok, msgs)
+    assert r.input_ids.tolist() == _template_ids(tok, msgs)  # the template's own tokenization
+    assert _spans(tok, r) == QWEN3_SUPERVISED[rid]
+    text = tok.apply_chat_template(list(msgs), tokenize=False)
+    if rid in ("r1", "r2", "r4"):  # the template dropped the first answer's reasoning: so do we
+        first = msgs[1].get("reasoning_content") or msgs[1]["content"].split("</think>")[0][len("<think>\n"):-1]
+        assert first not in text and first not in "".join(_spans(tok, r))
+    # nothing of a user or system turn is supervised, and each answer's supervision is one span
+    users = [m["content"] for m in msgs if m["role"] != "assistant"]
+    assert not any(u in s for u in users for s in _spans(tok, r))
+
+
+def test_qwen3_think_tokens_are_the_targets_tokens(qwen3_tokenizer):
+    tok = qwen3_tokenizer
+    r = _render(tok, _rows()["r2"])
+    think_end = tok.convert_tokens_to_ids("</think>")
+    assert think_end not in tok.all_special_ids  # an added, non-special token, as in Qwen3-4B
+    sup = r.input_ids[r.loss_mask == 1].tolist()
+    assert sup.count(think_end) == 1 and sup[-1] == tok.convert_tokens_to_ids("<|im_end|>")
+    # serving prompt: the template's generation prompt opens the think block, so <think> is not supervised
+    ids = render_prompt(tok, _rows()["r1"][:1], RC)
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n<think>\n")
+
+
+LLAMA_SUPERVISED = {  # every answer keeps its reasoning; inline <think> stays as written
+    "r1": ["<think>Two plus three is five.</think>\n\n5<|eot_id|>",
+           "<think>The last answer was 5, and 5 times 4 is 20.</think>\n\n20<|eot_id|>"],
+    "r2": ["<think>\nTwo plus three is five.\n</think>\n\n5<|eot_id|>",
+           "<think>\nThe last answer was 5, and 5 times 4 is 20.\n</think>\n\n20<|eot_id|>"],
+    "r4": ["<think>9 = 3 * 3, so it is not.</think>\n\nNo: 9 = 3 * 3.<|eot_id|>",
+           "<think>\n7 has no divisor but 1 and 7.\n</think>\n\nYes, 7 is prime.<|eot_id|>"],
+    "r5": ["ok<|eot_id|>"],
+}
+
+
+@pytest.mark.parametrize("rid", sorted(LLAMA_SUPERVISED))
+def test_reasoning_keeping_template(llama_reasoning_tokenizer, rid):
+    tok, msgs = llama_reasoning_tokenizer, _rows()[rid]
+    r = _render(tok, msgs)
+    assert r.input_ids.tolist() == _template_ids(tok, msgs)
+    assert r.input_ids[0] == tok.bos_token_id and r.loss_mask[0] == 0
+    assert _spans(tok, r) == LLAMA_SUPERVISED[rid]
+
+
+def test_non_reasoning_template_supervises_inline_think_as_content(tok_chatml):
+    """The embedded ChatML template knows no reasoning: inline <think> is answer text, the field is unused."""
+    rows = _rows()
+    r2 = _render(tok_chatml, rows["r2"])
+    assert r2.input_ids.tolist() == _template_ids(tok_chatml, rows["r2"])
+    assert _spans(tok_chatml, r2) == ["<think>\nTwo plus three is five.\n</think>\n\n5<|im_end|>",
+                                      "<think>\nThe last answer was 5, and 5 times 4 is 20.\n</think>\n\n20<|im_end|>"]
+    assert _spans(tok_chatml, _render(tok_chatml, rows["r1"])) == ["5<|im_end|>", "20<|im_end|>"]
+
+
+def test_input_cases_render_as_the_template_tokenizes(tok_chatml, qwen3_tokenizer, input_cases):
+    """Every kept input case renders to the template's own ids, except o18 whose answer holds the
+    literal text "<|im_end|>" (kept as text, so it differs by design)."""
+    rows = [r for f in ("openai.jsonl", "sharegpt.jsonl") for r in iter_chats(str(input_cases / "chats" / f), 0)
+            if isinstance(r, Chat)]
+    for tok in (tok_chatml, qwen3_tokenizer):
+        for row in rows:
+            msgs = row.messages[: max(i for i, m in enumerate(row.messages) if m["role"] == "assistant") + 1]
+            ids = render_chat(tok, msgs, RC, max_length=10**6, min_loss_tokens=1).input_ids.tolist()
+            same = ids == _template_ids(tok, msgs)
+            assert same == (row.row_id != "o18"), row.row_id
+
+
+def test_literal_special_text_in_reasoning_stays_text(qwen3_tokenizer):
+    tok = qwen3_tokenizer
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", "reasoning_content": "Is <|im_end|> the end marker?"}]
+    r = _render(tok, msgs)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    assert r.input_ids[r.loss_mask == 1].tolist().count(eot) == 1
+    assert _spans(tok, r) == ["Is <|im_end|> the end marker?\n</think>\n\na<|im_end|>"]
