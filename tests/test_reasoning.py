@@ -131,3 +131,66 @@ def test_literal_special_text_in_reasoning_stays_text(qwen3_tokenizer):
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     assert r.input_ids[r.loss_mask == 1].tolist().count(eot) == 1
     assert _spans(tok, r) == ["Is <|im_end|> the end marker?\n</think>\n\na<|im_end|>"]
+
+
+class ReasoningEngine:
+    """Writes what a thinking target writes after Qwen3-2507's prompt (which opened <think>):
+    reasoning, </think>, answer; a prompt holding "long" hits max_new_tokens inside its reasoning."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.prompts = tokenizer, []
+
+    def generate(self, prompts, sampling, seeds):
+        from pipeline.engines import Generation
+
+        out = []
+        for p in prompts:
+            text = self.tokenizer.decode(p)
+            self.prompts.append(text)
+            if "long" in text:
+                out.append(Generation("First, 9 = 3 * 3; then", "length", 8))
+            else:
+                out.append(Generation(f"Step {len(self.prompts)}.\n</think>\n\nAnswer {len(self.prompts)}.", "stop", 9))
+        return out
+
+
+def test_generate_stores_reasoning_and_skips_rows_cut_inside_it(qwen3_tokenizer, tmp_path):
+    from pipeline.generate import regenerate
+    from pipeline.run import DEFAULT_CONFIG, load_config
+
+    tok = qwen3_tokenizer
+    cfg = load_config(DEFAULT_CONFIG, ["target.path=unused", f"run_dir={tmp_path}", "data.train_files=[x.jsonl]",
+                                       "generate.max_new_tokens=8"])
+    chats = [Chat(({"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "old"},
+                   {"role": "user", "content": "Times 4?"}), 0, 0, "mem.jsonl", "g0"),
+             Chat(({"role": "user", "content": "Is 9 prime? Think long."},), 0, 1, "mem.jsonl", "g1")]
+    eng = ReasoningEngine(tok)
+    res = regenerate(chats, eng, cfg)
+    assert [(e["id"], e["reason"]) for e in res.errors] == [("g1", "reasoning_truncated")]
+    (row,) = res.rows
+    assert row["finish_reasons"] == ["stop", "stop"]
+    a1, a2 = row["messages"][1], row["messages"][3]
+    assert a1["reasoning_content"].startswith("Step ") and a1["content"].startswith("Answer ")
+    # the second prompt holds the first answer without its reasoning, as Qwen3 serves it
+    assert a1["content"] in eng.prompts[-1] and a1["reasoning_content"] not in eng.prompts[-1]
+    # the cache renders the regenerated row back to exactly the prompt + what the target wrote
+    r = _render(tok, [dict(m) for m in row["messages"]])
+    full = tok.decode(r.input_ids.tolist())
+    wrote = f"{a2['reasoning_content']}\n</think>\n\n{a2['content']}"
+    assert full == eng.prompts[-1] + wrote + "<|im_end|>\n"
+    assert _spans(tok, r)[-1] == wrote + "<|im_end|>"
+
+
+def test_answer_message_forms():
+    from pipeline.generate import answer_message, opens_reasoning
+
+    assert opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n") and not opens_reasoning("x\n")
+    assert answer_message("Just 5.", False) == ({"role": "assistant", "content": "Just 5."}, False)
+    # Qwen3 with enable_thinking on and a plain prompt: the target writes the <think> tag itself
+    assert answer_message("<think>\nr\n</think>\n\n5", False) == (
+        {"role": "assistant", "content": "5", "reasoning_content": "r"}, False)
+    assert answer_message("r\n</think>\n\n5", True) == (
+        {"role": "assistant", "content": "5", "reasoning_content": "r"}, False)
+    assert answer_message("still thinking", True) == (
+        {"role": "assistant", "content": "", "reasoning_content": "still thinking"}, True)
