@@ -72,6 +72,25 @@ def render_options(cfg: RenderConfig) -> dict[str, Any]:
             "enable_thinking": cfg.enable_thinking}
 
 
+def thinking_mode(cfg: RenderConfig) -> str:
+    """One line naming the thinking mode, for results tables."""
+    said = {True: "true (thinking on)", False: "false (thinking off)", None: "null (the template's default)"}
+    return f"data.render.enable_thinking={said[cfg.enable_thinking]}"
+
+
+def ignored_thinking_switch(tokenizer, cfg: RenderConfig) -> str | None:
+    """A warning when ``cfg.enable_thinking`` is set but the template renders the same generation
+    prompt with it true and false (e.g. Qwen3-4B-2507's always opens a think block); else None."""
+    if cfg.enable_thinking is None:
+        return None
+    probe = [{"role": "user", "content": "q"}]
+    on, off = (_template(tokenizer, probe, True, RenderConfig(enable_thinking=v)) for v in (True, False))
+    if on != off:
+        return None
+    return (f"data.render.enable_thinking={str(cfg.enable_thinking).lower()} has no effect on this target's chat "
+            f"template (its generation prompt is {generation_prompt(tokenizer, probe, cfg)!r} either way)")
+
+
 def _template(tokenizer, messages, add_generation_prompt: bool, cfg: RenderConfig) -> str:
     kwargs = {} if cfg.enable_thinking is None else {"enable_thinking": cfg.enable_thinking}
     try:

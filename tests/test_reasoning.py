@@ -194,3 +194,42 @@ def test_answer_message_forms():
         {"role": "assistant", "content": "5", "reasoning_content": "r"}, False)
     assert answer_message("still thinking", True) == (
         {"role": "assistant", "content": "", "reasoning_content": "still thinking"}, True)
+
+
+@pytest.fixture(scope="module")
+def qwen3_target_dir(tmp_path_factory, tiny_qwen3, qwen3_tokenizer) -> str:
+    """The tiny random Qwen3 with the small tokenizer that carries Qwen3-4B's real chat template."""
+    d = tmp_path_factory.mktemp("qwen3_template_target")
+    tiny_qwen3.save_pretrained(d)
+    qwen3_tokenizer.save_pretrained(d)
+    return str(d)
+
+
+@pytest.mark.integration
+def test_cache_stage_on_reasoning_data_supervises_the_think_block(ray_local, qwen3_target_dir, tmp_path):
+    from ops import inspect
+    from pipeline.cache import cache_url, run_cache
+    from pipeline.run import DEFAULT_CONFIG, load_config
+
+    cfg = load_config(DEFAULT_CONFIG, [f"target.path={qwen3_target_dir}", f"run_dir={tmp_path / 'run'}",
+                                       f"data.train_files=[{REASONING}]", "generate.enabled=false",
+                                       "cache.rows_per_shard=8", "data.min_loss_tokens=1"])
+    s = run_cache(cfg)
+    assert s["samples"] == 5 and s["skipped_rows"] == {}  # both forms, multi-turn: nothing skipped
+    payload, rc = inspect.sample(cache_url(cfg), None, (0, 0), qwen3_target_dir, None, 3)
+    assert rc == 0 and payload["tokenizer_matches_cache"] is True
+    supervised = [seg["text"] for seg in payload["segments"] if seg["supervised"]]
+    assert supervised == QWEN3_SUPERVISED["r1"]
+    view = inspect.render_sample(payload)
+    assert "<think>\n<<The last answer was 5, and 5 times 4 is 20.\n</think>\n\n20<|im_end|>>>" in view
+    inline, _ = inspect.sample(cache_url(cfg), None, (0, 1), qwen3_target_dir, None, 3)  # r2: inline form
+    assert [seg["text"] for seg in inline["segments"] if seg["supervised"]] == QWEN3_SUPERVISED["r2"]
+
+
+def test_a_thinking_switch_the_template_ignores_is_reported(qwen3_tokenizer, tok_chatml):
+    from pipeline.render import ignored_thinking_switch
+
+    said = ignored_thinking_switch(qwen3_tokenizer, RenderConfig(enable_thinking=False))
+    assert said.startswith("data.render.enable_thinking=false has no effect") and "<think>" in said
+    assert ignored_thinking_switch(tok_chatml, RenderConfig(enable_thinking=False)) is None  # it has the switch
+    assert ignored_thinking_switch(qwen3_tokenizer, RenderConfig()) is None  # nothing asked

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from pipeline.config import DrafterSpec, RunConfig, SequentialHead
 from pipeline.storage import filesystem, join
-from training.record import check_record, model_record
+from training.record import check_record, check_thinking_mode, model_record
 
 
 @dataclass
@@ -334,6 +334,8 @@ def load_trained_drafter(cfg: RunConfig, name: str, target_dir: str):
     Raises:
         MissingStageOutputError (a FileNotFoundError): no committed checkpoint under
         ``<run_dir>/train/<name>`` (run the train stage).
+        CheckpointError: the config's drafter or thinking mode (``data.render.enable_thinking``)
+        differs from the checkpoint's (:mod:`training.record`).
     """
     from safetensors.torch import load
     from training.checkpoint import latest_checkpoint
@@ -347,6 +349,7 @@ def load_trained_drafter(cfg: RunConfig, name: str, target_dir: str):
     current = drafter_config(cfg.train.drafters[name], cfg)
     recorded = recorded_config(found[1], found[0], current)
     check_record(recorded, current, drafter=name, where=found[0])
+    check_thinking_mode(found[1], cfg.data.render.enable_thinking, drafter=name, where=found[0])
     fs, path = filesystem(join(found[0], "drafter.safetensors"))
     weights = load(fs.cat_file(path))
     d2t = weights.get("d2t")
