@@ -169,9 +169,8 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
     blocks = block_level(cfg, drafters, target_dir) if cfg.evaluate.block_samples else None
     mode = f"Prompts and held-out blocks rendered with {thinking_mode(cfg.data.render)}.\n\n"
     if blocks is not None:
-        blocks["table"] = mode + blocks["table"]
-        write_text(join(cfg.run_dir, "evaluate", "block_table.md"), blocks["table"])
-        print(blocks["table"], flush=True)
+        write_text(join(cfg.run_dir, "evaluate", "block_table.md"), mode + blocks["table"])
+        print(mode + blocks["table"], flush=True)
     tap = LayerTap(model, cfg.target.target_layer_ids)
     ev, common = cfg.evaluate, {"max_new_tokens": cfg.evaluate.max_new_tokens, "stop_ids": stop}
     results: dict[str, Any] = {}

@@ -84,7 +84,10 @@ def ignored_thinking_switch(tokenizer, cfg: RenderConfig) -> str | None:
     if cfg.enable_thinking is None:
         return None
     probe = [{"role": "user", "content": "q"}]
-    on, off = (_template(tokenizer, probe, True, RenderConfig(enable_thinking=v)) for v in (True, False))
+    try:
+        on, off = (_template(tokenizer, probe, True, RenderConfig(enable_thinking=v)) for v in (True, False))
+    except RowError:
+        return None  # a template that cannot render a one-turn prompt says nothing here
     if on != off:
         return None
     return (f"data.render.enable_thinking={str(cfg.enable_thinking).lower()} has no effect on this target's chat "

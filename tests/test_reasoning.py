@@ -233,3 +233,10 @@ def test_a_thinking_switch_the_template_ignores_is_reported(qwen3_tokenizer, tok
     assert said.startswith("data.render.enable_thinking=false has no effect") and "<think>" in said
     assert ignored_thinking_switch(tok_chatml, RenderConfig(enable_thinking=False)) is None  # it has the switch
     assert ignored_thinking_switch(qwen3_tokenizer, RenderConfig()) is None  # nothing asked
+
+
+def test_results_name_the_thinking_mode(tmp_path):
+    from pipeline.results import results_table
+
+    table = results_table(str(tmp_path), {"evaluate": {"results": {}, "enable_thinking": False}})
+    assert "rendered with data.render.enable_thinking=false (thinking off): serve the drafters in that mode" in table
