@@ -213,7 +213,7 @@ def regenerate(chats: Sequence[Chat | BadRow], engine: GenerationEngine, cfg: Ru
                     continue
                 msg, still_open = answer_message(gen.text, opened)
                 if still_open:
-                    w.fail("reasoning_truncated", f"answer {turn + 1}: {gen.num_tokens} tokens")
+                    w.fail("reasoning_truncated", f"answer {turn + 1}: {gen.num_tokens} tokens, finish {gen.finish_reason}")
                     continue
                 w.messages[w.slots[turn]: w.slots[turn] + 1] = [msg]
                 w.finish.append(gen.finish_reason)
