@@ -27,7 +27,7 @@ from cache_schema.layout import shard_name
 from pipeline.chats import BadRow, RowCounts, RowError, ShardSpan, iter_chats, plan_shards
 from pipeline.config import RunConfig
 from pipeline.errors import PipelineError, ShardPlanMismatchError
-from pipeline.render import render_chat, render_options
+from pipeline.render import ignored_thinking_switch, render_chat, render_options
 from storage import filesystem, join
 from pipeline.paths import resolve_input
 
@@ -245,6 +245,8 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
 
     local_dir = resolve_target_path(cfg.target.path)
     tok = _tokenizer(local_dir)
+    if (warning := ignored_thinking_switch(tok, cfg.data.render)) is not None:
+        log.warning("cache: %s", warning)
     fp = target_fingerprint(cfg, tok, local_dir, AutoConfig.from_pretrained(local_dir, local_files_only=True))
     root_url = cache_url(cfg)
     storage = storage_config(cfg)

@@ -5,6 +5,12 @@ Accepted row forms (one chat per row):
 - ShareGPT ``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}``
 - ``{"conversations": [{"role": ..., "content": ...}]}``
 
+An assistant turn's reasoning (the thinking trace of a reasoning model) is read from
+``reasoning_content`` (OpenAI-compatible APIs, vLLM, DeepSeek; what Qwen3's chat template reads) or
+its aliases ``reasoning`` and ``thinking`` (the first present, in that order) and kept as
+``reasoning_content``; reasoning written inline in ``content`` as ``<think>...</think>`` is kept as
+written. Either form reaches the chat template unchanged (see ``pipeline.render``).
+
 A bad row never stops the run: it becomes a :class:`BadRow` with a reason code (see ``REASONS``)
 that the stage counts and writes to its quarantine file with the source file and line. A bad file
 (missing, unreadable, not JSONL/Parquet) raises :class:`BadInputFileError`.
@@ -35,13 +41,16 @@ REASONS = {
     "bad_type": "a turn or its content has the wrong type (content must be text)",
     "unknown_role": "a turn has a role other than system/user/assistant (human/gpt)",
     "no_user_turn": "an assistant turn comes before any user turn",
-    "empty_answer": "an assistant turn is empty or whitespace only",
+    "empty_answer": "an assistant turn is empty or whitespace only (no answer and no reasoning)",
     "no_answer": "no assistant turn: nothing to supervise",
     "template_error": "the target's chat template failed on this chat",
     "template_rewrites_content": "the chat template changes message text, so supervision cannot be located",
     "no_supervised_tokens": "no supervised token is left after truncation to max_length",
     "too_few_loss_tokens": "fewer supervised tokens than data.min_loss_tokens",
 }
+
+# where an assistant turn's reasoning is read from, first present wins; normalised to the first name
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 
 _ROLE_MAP = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
              "system": "system"}
@@ -98,7 +107,8 @@ def _text(content: Any, where: str) -> str:
 
 
 def normalize_messages(obj: Any, *, require_answer: bool = True) -> tuple[dict[str, str], ...]:
-    """Validate one parsed row and return its turns as ``({"role", "content"}, ...)``.
+    """Validate one parsed row and return its turns as ``({"role", "content"}, ...)``; an assistant
+    turn with reasoning (a ``REASONING_FIELDS`` field) also has ``"reasoning_content"``.
 
     Args:
         obj: the parsed JSON object (or Parquet row as a dict).
@@ -124,15 +134,19 @@ def normalize_messages(obj: Any, *, require_answer: bool = True) -> tuple[dict[s
         if role is None:
             raise RowError("unknown_role", f"turn {i} has role {role_raw!r}")
         content = _text(turn.get("content", turn.get("value")), f"turn {i}")
+        msg = {"role": role, "content": content}
         if role == "user":
             seen_user = True
         elif role == "assistant":
             if not seen_user:
                 raise RowError("no_user_turn", f"turn {i} answers before any user turn")
-            if not content.strip():
+            field_ = next((f for f in REASONING_FIELDS if turn.get(f) is not None), None)
+            if field_ is not None:
+                msg["reasoning_content"] = _text(turn[field_], f"turn {i} {field_}")
+            if not content.strip() and not msg.get("reasoning_content", "").strip():
                 raise RowError("empty_answer", f"turn {i}")
             seen_answer = True
-        out.append({"role": role, "content": content})
+        out.append(msg)
     if require_answer and not seen_answer:
         raise RowError("no_answer")
     if not seen_user:

@@ -75,7 +75,9 @@ class RenderConfig:
 
     system_prompt: SystemPromptPolicy = SystemPromptPolicy.keep
     default_system_prompt: str = ""
-    enable_thinking: Optional[bool] = None  # passed to the template when set (Qwen3: False = no thinking)
+    # passed to the template when set (Qwen3: False = no thinking); the drafter's serving mode: recorded in
+    # generate settings, the cache fingerprint, checkpoints and the export (README "Reasoning models")
+    enable_thinking: Optional[bool] = None
 
 
 @dataclass
@@ -98,7 +100,7 @@ class GenerateConfig:
     temperature: float = 0.7
     top_p: float = 0.8
     top_k: int = 20
-    max_new_tokens: int = 4096
+    max_new_tokens: int = 4096  # per answer, reasoning + answer together
     seed: int = 0
     batch_size: int = 16
     rows_per_shard: int = 256

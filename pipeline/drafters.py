@@ -39,13 +39,14 @@ def load_trained_drafter(cfg: RunConfig, name: str, target_dir: str):
     Raises:
         MissingStageOutputError (a FileNotFoundError): no committed checkpoint under
             ``<run_dir>/train/<name>`` (run the train stage).
-        CheckpointError: the run config disagrees with the recorded model (the field, both values
-            and the fix are named), or the checkpoint is damaged.
+        CheckpointError: the run config disagrees with the recorded model or with the thinking mode
+            (``data.render.enable_thinking``) of the cache it was trained on (the field, both values and
+            the fix are named), or the checkpoint is damaged.
     """
     from training.loop import load_checkpoint_drafter
 
     model = load_checkpoint_drafter(join(cfg.run_dir, "train", name), drafter_config(cfg.train.drafters[name], cfg),
-                                    target_dir, drafter=name)
+                                    target_dir, drafter=name, enable_thinking=cfg.data.render.enable_thinking)
     if model is None:
         raise MissingStageOutputError(f"no committed checkpoint for drafter {name!r} under {cfg.run_dir}/train/{name}: "
                                       "run +stage=train first")

@@ -15,7 +15,7 @@ import torch
 
 from pipeline.chats import Chat, iter_chats
 from pipeline.config import RunConfig
-from pipeline.render import render_options, render_prompt
+from pipeline.render import render_options, render_prompt, thinking_mode
 from pipeline.speculate import Decoded, full_block, plain_decode, speculative_decode, threshold_policy
 from pipeline.errors import PipelineError
 from storage import join, read_json
@@ -147,8 +147,9 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
     """``+stage=evaluate``: paired block-level tau on held-out cache blocks (:func:`block_level`),
     then the decoding loop: tau tables (T in ``evaluate.temperatures``), thresholds, scheduler.
 
-    Writes ``<run_dir>/evaluate/`` ``block_table.md``, ``tau_table.md``, ``tau.png``,
-    ``acceptance.png``, ``sps.json``.
+    Writes ``<run_dir>/evaluate/`` ``block_table.md``, ``tau_table.md`` (each headed by the thinking
+    mode), ``tau.png``, ``acceptance.png``, ``sps.json``. Prompts are rendered in
+    ``data.render.enable_thinking``'s mode, the drafters' own (a drafter of another mode is refused).
     """
     from pipeline.eval_report import plot_acceptance, tau_table, write_text
     from pipeline.prefill import LayerTap
@@ -168,9 +169,10 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
         raise PipelineError("no usable evaluation prompt in data.eval_files")
     stop = {tok.eos_token_id, *np.atleast_1d(model.generation_config.eos_token_id or []).tolist()} - {None}
     blocks = block_level(cfg, drafters, target_dir) if cfg.evaluate.block_samples else None
+    mode = f"Prompts and held-out blocks rendered with {thinking_mode(cfg.data.render)}.\n\n"
     if blocks is not None:
-        write_text(join(cfg.run_dir, "evaluate", "block_table.md"), blocks["table"])
-        print(blocks["table"], flush=True)
+        write_text(join(cfg.run_dir, "evaluate", "block_table.md"), mode + blocks["table"])
+        print(mode + blocks["table"], flush=True)
     tap = LayerTap(model, cfg.target.target_layer_ids)
     ev, common = cfg.evaluate, {"max_new_tokens": cfg.evaluate.max_new_tokens, "stop_ids": stop}
     results: dict[str, Any] = {}
@@ -209,11 +211,11 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
         if len(outcomes):
             scheduler[name] = simulate(outcomes, conf, sps, concurrency=ev.concurrency, seed=ev.seed)
     out_dir = join(cfg.run_dir, "evaluate")
-    table = tau_table(results, scheduler)
+    table = mode + tau_table(results, scheduler)
     write_text(join(out_dir, "tau_table.md"), table)
     plot_acceptance(results, join(out_dir, "acceptance.png"), join(out_dir, "tau.png"))
     print(table, flush=True)
     return {"blocks": blocks, "prompts": len(prompts), "tasks": sorted({t for t, _ in prompts}), "render_options": render_options(cfg.data.render),
-            "results": results, "thresholds": thresholds, "scheduler": scheduler,
+            "enable_thinking": cfg.data.render.enable_thinking, "results": results, "thresholds": thresholds, "scheduler": scheduler,
             "sps": {"batch_tokens": sps.batch_tokens.tolist(), "steps_per_s": sps.steps_per_s.tolist(),
                     "source": ev.sps_table or "profiled on this machine"}}

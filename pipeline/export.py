@@ -7,7 +7,9 @@ Layout (vLLM 0.32, ``vllm/model_executor/models/qwen3_dspark.py`` and ``qwen3_df
   ``num_hidden_layers`` = draft layers, and no ``quantization_config`` / ``layer_types``.
   DSpark keys: ``target_layer_ids``, ``mask_token_id``, ``markov_rank``, ``enable_confidence_head``,
   ``confidence_head_with_markov``, ``block_size``, ``sample_from_anchor``, ``confidence_temperatures``
-  (STS, one per position). DFlash keys: ``dflash_config: {mask_token_id, target_layer_ids}``.
+  (STS, one per position). DFlash keys: ``dflash_config: {mask_token_id, target_layer_ids}``. Both:
+  ``enable_thinking``, the thinking mode the drafter was trained for (``data.render.enable_thinking``;
+  null: the template's default), which serving requests should use (``chat_template_kwargs``).
 - ``model.safetensors``: the names vLLM's loader expects, without a ``model.`` prefix (the loader
   adds it). ``embed_tokens`` / ``lm_head`` are left out (vLLM shares the target's) unless they differ
   from the target's; ``lm_head`` and ``d2t`` ship with a reduced draft vocabulary.
@@ -268,8 +270,8 @@ def _write(out_url: str, config: dict[str, Any], tensors: Mapping[str, torch.Ten
 
 
 def export_drafter(model, target_dir: str, out_url: str, *, temperatures: Sequence[float] | None = None,
-                   fold_tolerance: float | None = None, initial: Mapping[str, torch.Tensor] | None = None
-                   ) -> dict[str, Any]:
+                   fold_tolerance: float | None = None, initial: Mapping[str, torch.Tensor] | None = None,
+                   enable_thinking: bool | None = None) -> dict[str, Any]:
     """Write ``config.json`` + ``model.safetensors`` of one drafter for vLLM (module docstring).
 
     Args:
@@ -280,6 +282,8 @@ def export_drafter(model, target_dir: str, out_url: str, *, temperatures: Sequen
         fold_tolerance: fold when ``max(T)/min(T) - 1 <= fold_tolerance``; None never folds.
         initial: the state dict of a freshly initialised drafter with the training seed (see
             :func:`check_tensors`); None checks the init constants only.
+        enable_thinking: the thinking mode the drafter was trained for (``data.render.enable_thinking``;
+            None: the template's default), recorded as ``enable_thinking`` in ``config.json``.
     Returns:
         ``{"architecture", "num_tensors", "bytes", "dropped", "confidence": "none" | "uncalibrated"
         | "folded" | "config", "folded_temperature", "confidence_temperatures"}``.
@@ -299,6 +303,7 @@ def export_drafter(model, target_dir: str, out_url: str, *, temperatures: Sequen
     if temperatures is not None and fold_tolerance is not None and model.confidence_head is not None:
         folded = foldable_temperature(temperatures, rtol=fold_tolerance)
     config = vllm_config(model, target_config, temperatures, folded)
+    config["enable_thinking"] = enable_thinking  # which prompts the drafter was trained for
     expected = expected_tensors(config)
     embed, lm_head = load_shared_weights(target_dir)
     tensors, dropped = drafter_tensors(model, expected, embed, lm_head)
@@ -312,7 +317,7 @@ def export_drafter(model, target_dir: str, out_url: str, *, temperatures: Sequen
             else "folded" if folded is not None else "config")
     return {"architecture": config["architectures"][0], "num_tensors": len(tensors), "bytes": size,
             "dropped": dropped, "confidence": mode, "folded_temperature": folded,
-            "confidence_temperatures": config.get("confidence_temperatures")}
+            "confidence_temperatures": config.get("confidence_temperatures"), "enable_thinking": enable_thinking}
 
 
 def _fresh_state(spec, cfg: RunConfig, target_dir: str, d2t) -> dict[str, torch.Tensor]:
@@ -370,7 +375,8 @@ def run_export(cfg: RunConfig) -> dict[str, Any]:
         info = export_drafter(model, target_dir, out,
                               temperatures=None if report is None else report["temperatures"],
                               fold_tolerance=cfg.export.fold_temperature_tolerance,
-                              initial=_fresh_state(spec, cfg, target_dir, getattr(model, "d2t", None)))
+                              initial=_fresh_state(spec, cfg, target_dir, getattr(model, "d2t", None)),
+                              enable_thinking=cfg.data.render.enable_thinking)
         info["path"] = out
         if report is not None and info["architecture"] == DSPARK_ARCH:
             info["ece_before"] = [p["before"]["ece"] for p in report["positions"]]

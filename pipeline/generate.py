@@ -14,6 +14,15 @@ killed run, rerun, ends with the rows (and text) of an uninterrupted one: none d
 Layout under ``<run_dir>/generate/``: ``shards/shard-000000.jsonl`` (OpenAI ``messages`` rows that
 :func:`pipeline.chats.iter_chats` reads), ``errors/shard-000000.jsonl`` (skipped and failed rows with
 their source file and line), ``commits/shard-000000.json`` (counts, checksum, settings).
+
+Reasoning targets (Qwen3 thinking): the prompt is rendered in ``data.render.enable_thinking``'s
+mode, so the target writes reasoning + answer or the answer only; ``generate.max_new_tokens``
+bounds both together. An answer with reasoning (the text has ``</think>``, or the generation prompt
+opened a ``<think>`` block) is stored as ``reasoning_content`` + ``content`` (:func:`answer_message`),
+which the cache renders back with the template. Every row records ``finish_reasons`` per answer
+(``"length"``: cut at ``max_new_tokens``). A row whose answer was cut inside its reasoning (the
+think block never closed, so there is no answer) is skipped as ``reasoning_truncated``: raise
+``generate.max_new_tokens`` to keep such rows; an answer cut after its reasoning is kept.
 """
 from __future__ import annotations
 
@@ -30,7 +39,7 @@ from pipeline.chats import REASONS, BadRow, Chat, RowError, ShardSpan, iter_chat
 from pipeline.config import RunConfig
 from pipeline.engines import GenerationEngine, SamplingSpec
 from pipeline.errors import PipelineError
-from pipeline.render import render_options, render_prompt
+from pipeline.render import apply_render_policy, generation_prompt, render_options, render_prompt
 from storage import filesystem, join
 from pipeline.paths import resolve_input
 
@@ -41,7 +50,36 @@ GENERATE_REASONS = {
     "prompt_too_long": "the first prompt already fills data.max_length tokens: no answer would be cached",
     "empty_generation": "the target wrote an empty or whitespace-only answer",
     "generation_error": "the engine raised on this row",
+    "reasoning_truncated": "the answer hit generate.max_new_tokens inside its reasoning (the think block never "
+                           "closed): raise generate.max_new_tokens",
 }
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def opens_reasoning(generation_prompt: str) -> bool:
+    """Whether the template's generation prompt leaves a ``<think>`` block open (Qwen3-2507), so the
+    target's text starts inside its reasoning."""
+    return generation_prompt.rfind(THINK_START) > generation_prompt.rfind(THINK_END)
+
+
+def answer_message(text: str, opened: bool) -> tuple[dict[str, str], bool]:
+    """The assistant message of one generated answer, and whether its reasoning is still open.
+
+    ``text`` is what the target wrote after the prompt; ``opened``: the prompt opened the think
+    block (:func:`opens_reasoning`). Reasoning (up to ``</think>``, without a leading ``<think>`` the
+    target wrote itself) becomes ``reasoning_content``, stripped of newlines at its ends, and the rest
+    ``content`` without leading newlines: Qwen3's template renders that pair back to the same text.
+    """
+    head = text.lstrip()
+    if head.startswith(THINK_START):
+        opened, text = True, head[len(THINK_START):]
+    if not opened and THINK_END not in text:
+        return {"role": "assistant", "content": text}, False
+    if THINK_END not in text:
+        return {"role": "assistant", "content": "", "reasoning_content": text.strip("\n")}, True
+    reasoning, answer = text.split(THINK_END, 1)
+    return {"role": "assistant", "content": answer.lstrip("\n"), "reasoning_content": reasoning.strip("\n")}, False
 
 
 class GenerateSettingsMismatchError(PipelineError):
@@ -164,7 +202,7 @@ def regenerate(chats: Sequence[Chat | BadRow], engine: GenerationEngine, cfg: Ru
         t0 = time.perf_counter()
         for b in range(0, len(todo), cfg.generate.batch_size):
             batch = todo[b: b + cfg.generate.batch_size]
-            for (w, _, _), gen in zip(batch, _generate_isolating(engine, batch, sampling)):
+            for (w, _, _, opened), gen in zip(batch, _generate_isolating(engine, batch, sampling)):
                 if isinstance(gen, Exception):
                     w.fail("generation_error", f"answer {turn + 1}: {type(gen).__name__}: {gen}")
                     continue
@@ -174,7 +212,11 @@ def regenerate(chats: Sequence[Chat | BadRow], engine: GenerationEngine, cfg: Ru
                 if not gen.text.strip():
                     w.fail("empty_generation", f"answer {turn + 1} is empty (finish: {gen.finish_reason})")
                     continue
-                w.messages[w.slots[turn]: w.slots[turn] + 1] = [{"role": "assistant", "content": gen.text}]
+                msg, still_open = answer_message(gen.text, opened)
+                if still_open:
+                    w.fail("reasoning_truncated", f"answer {turn + 1}: {gen.num_tokens} tokens, finish {gen.finish_reason}")
+                    continue
+                w.messages[w.slots[turn]: w.slots[turn] + 1] = [msg]
                 w.finish.append(gen.finish_reason)
         stats["generate_seconds"] = round(stats["generate_seconds"] + time.perf_counter() - t0, 3)
     rows = [{"id": w.chat.row_id, "messages": w.messages, "source": w.chat.path, "source_index": w.chat.source,
@@ -191,19 +233,22 @@ def regenerate(chats: Sequence[Chat | BadRow], engine: GenerationEngine, cfg: Ru
 
 
 def _prompts(work: list[_Work], turn: int, tokenizer, cfg: RunConfig, stats: dict[str, Any]) -> list[tuple]:
-    """``(work, prompt ids, seed)`` for every live chat with a ``turn``-th answer; fails or cuts the
+    """``(work, prompt ids, seed, opens reasoning)`` for every live chat with a ``turn``-th answer; fails or cuts the
     chats whose prompt does not render or does not fit ``data.max_length``."""
     todo = []
     for w in work:
         if w.failure is not None or turn >= len(w.slots):
             continue
         try:
-            ids = render_prompt(tokenizer, w.messages[: w.slots[turn]], cfg.data.render)
+            history = w.messages[: w.slots[turn]]
+            ids = render_prompt(tokenizer, history, cfg.data.render)
+            opened = opens_reasoning(generation_prompt(tokenizer, apply_render_policy(history, cfg.data.render),
+                                                       cfg.data.render))
         except RowError as e:
             w.fail(e.reason, f"answer {turn + 1}: {e.detail}")
             continue
         if len(ids) < cfg.data.max_length:
-            todo.append((w, ids, request_seed(cfg.generate.seed, w.chat.source, w.chat.row, turn)))
+            todo.append((w, ids, request_seed(cfg.generate.seed, w.chat.source, w.chat.row, turn), opened))
         elif turn == 0:
             w.fail("prompt_too_long", f"{len(ids)} prompt tokens >= data.max_length={cfg.data.max_length}")
         else:  # end the chat after the last answer that fit; the cache would truncate the rest anyway
@@ -217,7 +262,7 @@ def _generate_isolating(engine: GenerationEngine, batch, sampling: SamplingSpec)
     """Generate a batch; if the engine raises, retry its prompts one by one so that only the rows
     that fail on their own are lost. Returns a Generation or the exception, per prompt."""
     try:
-        return engine.generate([ids for _, ids, _ in batch], sampling, [s for _, _, s in batch])
+        return engine.generate([t[1] for t in batch], sampling, [t[2] for t in batch])
     except Exception as e:  # noqa: BLE001 - isolate the row(s) that make the engine raise
         if len(batch) == 1:
             return [e]

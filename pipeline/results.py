@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.config import RenderConfig
+from pipeline.render import thinking_mode
 from storage import join, read_json
 
 
@@ -24,6 +26,9 @@ def results_table(run_dir: str, stages: dict[str, dict[str, Any]]) -> str:
     position, cache bytes per token, and every stage's time."""
     lines = [f"# Results of {run_dir}", ""]
     ev = stages.get("evaluate") or _read(join(run_dir, "evaluate", "summary.json"))
+    if ev and "enable_thinking" in ev:
+        lines += [f"Chats and prompts rendered with {thinking_mode(RenderConfig(enable_thinking=ev['enable_thinking']))}: "
+                  "serve the drafters in that mode.", ""]
     if ev:
         temps = list(ev["results"])
         names = sorted({n for r in ev["results"].values() for n in r["drafters"]})

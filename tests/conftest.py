@@ -149,3 +149,61 @@ def tiny_target_dir(tmp_path_factory, tiny_qwen3, tiny_tokenizer) -> str:
     tiny_qwen3.save_pretrained(d)
     tiny_tokenizer.save_pretrained(d)
     return str(d)
+
+
+def _small_bpe(corpus: list[str], added: list[tuple[str, bool]], template: str, **special):
+    """A byte-level BPE (Qwen's pre-tokenizer split, ~400 tokens) trained on ``corpus``, with
+    ``added`` tokens ``(text, special)`` in order and ``template`` as its chat template."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from pipeline.embedded.tokenizer import QWEN_SPLIT_PATTERN
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2,
+        show_progress=False))
+    for text, is_special in added:
+        t = AddedToken(text, special=is_special, normalized=False)
+        (tok.add_special_tokens if is_special else tok.add_tokens)([t])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, clean_up_tokenization_spaces=False,
+                                   **special)
+
+
+_CORPUS = ["What is 2 + 3? Two plus three is five. The last answer was 5, and 5 times 4 is 20. " * 3,
+           "Name a prime above 10. 11 has no divisor but 1 and itself. Is 9 prime? No, it is not. " * 3,
+           "assistant user system think step by step\n\n" * 3]
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer():
+    """A small tokenizer with Qwen3-4B's real special tokens (same texts, order and ``special``
+    flags: ``<think>`` is a plain added token) and its real chat template, from
+    ``tests/fixtures/qwen3_4b/tokenizer_config.json`` (see the README there)."""
+    import json
+
+    conf = json.loads((REPO / "tests" / "fixtures" / "qwen3_4b" / "tokenizer_config.json").read_text())
+    added = [(t["content"], t["special"]) for _, t in sorted(conf["added_tokens_decoder"].items(), key=lambda kv: int(kv[0]))]
+    return _small_bpe(_CORPUS, added, conf["chat_template"], eos_token=conf["eos_token"],
+                      pad_token=conf["pad_token"], extra_special_tokens=conf["additional_special_tokens"])
+
+
+@pytest.fixture(scope="session")
+def llama_reasoning_tokenizer():
+    """A small Llama-3-style tokenizer with the reasoning-keeping template of
+    ``tests/fixtures/templates/llama3_reasoning.jinja``."""
+    template = (REPO / "tests" / "fixtures" / "templates" / "llama3_reasoning.jinja").read_text()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    return _small_bpe(_CORPUS, [(t, True) for t in specials] + [("<think>", False), ("</think>", False)], template,
+                      bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|end_of_text|>",
+                      extra_special_tokens=specials[2:4])
+
+
+@pytest.fixture(scope="session")
+def tok_chatml(tiny_tokenizer):
+    """The embedded target's tokenizer (ChatML template without reasoning handling)."""
+    return tiny_tokenizer

@@ -149,3 +149,28 @@ def test_oversized_rows_skipped_before_decoding(tmp_path, monkeypatch):
     pq.write_table(pa.Table.from_pylist([good, big]), tmp_path / "c.parquet")
     rows = list(iter_chats(str(tmp_path / "c.parquet"), 0))
     assert isinstance(rows[0], Chat) and rows[1].reason == "row_too_large" and rows[1].row == 1
+
+
+def test_reasoning_fields_are_kept_as_reasoning_content():
+    q = {"role": "user", "content": "q"}
+    for field in ("reasoning_content", "reasoning", "thinking"):
+        msgs = normalize_messages({"messages": [q, {"role": "assistant", "content": "a", field: "r"}]})
+        assert msgs[1] == {"role": "assistant", "content": "a", "reasoning_content": "r"}
+    both = normalize_messages({"messages": [q, {"role": "assistant", "content": "a", "reasoning": "second",
+                                                "reasoning_content": "first"}]})
+    assert both[1]["reasoning_content"] == "first"
+    parts = normalize_messages({"conversations": [{"from": "human", "value": "q"},
+                                                  {"from": "gpt", "value": "a", "thinking": [{"type": "text", "text": "r"}]}]})
+    assert parts[1]["reasoning_content"] == "r"
+    # a turn that only reasons is an answer; one with neither is empty
+    assert normalize_messages({"messages": [q, {"role": "assistant", "content": "", "reasoning_content": "r"}]})
+    with pytest.raises(RowError) as e:
+        normalize_messages({"messages": [q, {"role": "assistant", "content": " ", "reasoning_content": ""}]})
+    assert e.value.reason == "empty_answer"
+    with pytest.raises(RowError) as e:
+        normalize_messages({"messages": [q, {"role": "assistant", "content": "a", "reasoning": 3}]})
+    assert e.value.reason == "bad_type" and "reasoning" in e.value.detail
+    # inline reasoning is content as written; user turns never carry reasoning
+    inline = normalize_messages({"messages": [{**q, "reasoning_content": "x"},
+                                              {"role": "assistant", "content": "<think>\nr\n</think>\n\na"}]})
+    assert inline == (q, {"role": "assistant", "content": "<think>\nr\n</think>\n\na"})

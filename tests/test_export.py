@@ -70,6 +70,7 @@ def test_dspark_export_names_shapes_dtypes_and_config(tiny_target_dir, tmp_path)
     assert cfg["sample_from_anchor"] is True and cfg["tie_word_embeddings"] is False
     assert cfg["confidence_temperatures"] == [1.0, 1.5, 2.0, 0.8] and cfg["confidence_temperature_folded"] is None
     assert "quantization_config" not in cfg and "layer_types" not in cfg and "dflash_config" not in cfg
+    assert cfg["enable_thinking"] is None and info["enable_thinking"] is None  # the template's default mode
     assert info["confidence"] == "config" and info["num_tensors"] == len(DSPARK) and info["dropped"] == []
     assert {k: v[0] for k, v in expected_tensors(cfg).items()} == {k: tuple(v.shape) for k, v in t.items()}
 

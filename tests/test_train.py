@@ -262,7 +262,8 @@ def test_later_stages_refuse_a_config_that_disagrees_with_the_checkpoint(cached_
     changes = {"block_size": "train.drafters.dspark.block_size=3",
                "sample_from_anchor": "train.drafters.dspark.sample_from_anchor=false",
                "mask_token_id": "train.drafters.dspark.mask_token_id=9",
-               "target_layer_ids": "target.target_layer_ids=[-1,1,2]"}
+               "target_layer_ids": "target.target_layer_ids=[-1,1,2]",
+               "enable_thinking": "data.render.enable_thinking=false"}
     for field, override in changes.items():
         cfg = _cfg(tiny_target_dir, run_dir, data, *base, override)
         for stage in (run_export, run_calibrate, run_evaluate, run_train):
@@ -273,8 +274,19 @@ def test_later_stages_refuse_a_config_that_disagrees_with_the_checkpoint(cached_
     assert not (run_dir / "export").exists() and not (run_dir / "calibrate").exists()
     exported = run_export(_cfg(tiny_target_dir, run_dir, data, *base))  # the unchanged config works
     assert exported["drafters"]["dspark"]["architecture"] == "Qwen3DSparkModel"
+    assert exported["drafters"]["dspark"]["enable_thinking"] is None
+    assert json.loads((run_dir / "export/dspark/config.json").read_text())["enable_thinking"] is None
     with pytest.raises(CheckpointError, match="set train.drafters.dspark.block_size=7"):
         run_export(_cfg(tiny_target_dir, run_dir, data, *base, changes["block_size"]))
+    # a drafter trained in another thinking mode than the cache and config now use: refused with the fix
+    ckpt = run_dir / "train/dspark/checkpoints/step-000002/COMMITTED.json"
+    other = json.loads(state["cache_fingerprint"])
+    other["render_options"]["enable_thinking"] = True
+    ckpt.write_text(json.dumps({**state, "cache_fingerprint": json.dumps(other)}))
+    for stage in (run_calibrate, run_evaluate, run_export):
+        with pytest.raises(CheckpointError, match="trained on chats rendered with data.render.enable_thinking=true, "
+                                                  "the config says null: set data.render.enable_thinking=true"):
+            stage(_cfg(tiny_target_dir, run_dir, data, *base))
     del state["model"]  # a checkpoint of an older version: refused, its layout cannot be known
     (run_dir / "train/dspark/checkpoints/step-000002/COMMITTED.json").write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match="records no model config"):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from storage import filesystem, join
 from training.job import TrainJob
-from training.record import check_record, model_record
+from training.record import check_record, check_thinking_mode, model_record
 
 
 FROZEN_PREFIXES = ("embed_tokens.", "lm_head.", "target_lm_head")
@@ -306,17 +306,19 @@ def _progress(total: int, done: int, name: str):
     return tqdm(total=total, initial=done, desc=f"train {name}", unit="step")
 
 
-def load_checkpoint_drafter(train_url: str, current, target_dir: str, *, drafter: str):
+def load_checkpoint_drafter(train_url: str, current, target_dir: str, *, drafter: str,
+                            enable_thinking: bool | None):
     """The drafter of the newest committed checkpoint under ``train_url``, built from the model
     config the checkpoint records (eval mode), or None when nothing is committed there.
 
     Args:
         current: the :class:`training.drafter.DrafterConfig` the run config gives now; it must agree
             with the record (:func:`training.record.check_record`) and supplies the run-time fields.
-        drafter: its name in the run config (for messages).
+        drafter: its name in the run config (for messages). enable_thinking: the run's thinking
+            mode (``data.render.enable_thinking``), checked against the cache the drafter was trained on.
     Raises:
-        CheckpointError: no model record, a record that disagrees with ``current``, or weights that
-            do not fit the recorded model.
+        CheckpointError: no model record, a record that disagrees with ``current``, a thinking mode
+            other than the one of the cache it was trained on, or weights that do not fit the recorded model.
     """
     from safetensors.torch import load
 
@@ -327,6 +329,7 @@ def load_checkpoint_drafter(train_url: str, current, target_dir: str, *, drafter
         return None
     recorded = recorded_config(found[1], found[0], current)
     check_record(recorded, current, drafter=drafter, where=found[0])
+    check_thinking_mode(found[1], enable_thinking, drafter=drafter, where=found[0])
     fs, path = filesystem(join(found[0], "drafter.safetensors"))
     weights = load(fs.cat_file(path))
     model = build_drafter_from(recorded, target_dir, weights.get("d2t"))

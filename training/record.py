@@ -10,12 +10,13 @@ that record and refuse, before any compute, a config that differs on a field tha
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from training.checkpoint import CheckpointError
 from training.drafter import DrafterConfig
 
-__all__ = ["RECORDED_FIELDS", "model_record", "config_from_record", "check_record"]
+__all__ = ["RECORDED_FIELDS", "model_record", "config_from_record", "check_record", "check_thinking_mode"]
 
 RECORDED_FIELDS = ("target_layer_ids", "mask_token_id", "num_layers", "block_size", "sample_from_anchor",
                    "markov_rank", "head_type", "confidence_head", "confidence_grad_to_backbone", "draft_vocab_size")
@@ -71,6 +72,27 @@ def check_record(recorded: DrafterConfig, current: DrafterConfig, *, drafter: st
 
 
 def _fmt(value: Any) -> str:
+    if value is None:
+        return "null"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(str(v) for v in value) + "]"
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_thinking_mode(state: dict[str, Any], enable_thinking: bool | None, *, drafter: str, where: str) -> None:
+    """Refuse a run config whose thinking mode (``data.render.enable_thinking``) differs from the one
+    of the cache the drafter was trained on (its checkpoint's ``cache_fingerprint``): a drafter
+    trained on thinking-off renders drafts thinking-on text poorly, and the other way round.
+
+    Raises:
+        CheckpointError: both modes and the two fixes.
+    """
+    fp = state.get("cache_fingerprint")
+    if not fp:
+        return  # nothing recorded to compare with
+    trained = (json.loads(fp) if isinstance(fp, str) else fp)["render_options"].get("enable_thinking")
+    if trained != enable_thinking:
+        raise CheckpointError(
+            f"drafter {drafter!r} at {where} was trained on chats rendered with data.render.enable_thinking="
+            f"{_fmt(trained)}, the config says {_fmt(enable_thinking)}: set data.render.enable_thinking="
+            f"{_fmt(trained)} (the mode the drafter serves), or cache and train in that mode in a new run_dir")
