@@ -12,7 +12,7 @@ import torch
 
 from cache_schema import CacheReader, FingerprintMismatchError
 from pipeline.cache import cache_url, plan, run_cache
-from pipeline.errors import ConfigError, ShardPlanMismatchError
+from pipeline.errors import ShardPlanMismatchError
 from pipeline.run import DEFAULT_CONFIG, load_config
 
 pytestmark = pytest.mark.integration

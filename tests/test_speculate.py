@@ -1,5 +1,4 @@
 """Speculative decoding loop: greedy output equals the target's own; metrics; threshold policy."""
-import numpy as np
 import pytest
 import torch
 
