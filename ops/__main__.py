@@ -19,6 +19,7 @@ from ops.inspect import UsageError
 from ops.report import to_json
 from ops.verify import VerifyInterrupted
 from pipeline.errors import PipelineError
+from pipeline.storage import configure_storage
 
 try:
     from botocore.exceptions import NoCredentialsError, PartialCredentialsError
@@ -118,6 +119,7 @@ def _urls(a: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ops command; returns the exit code (argparse exits with 2 on bad arguments)."""
     args = build_parser().parse_args(argv)
+    configure_storage()  # the default retry policy (pipeline.storage); FSSPEC_S3_* variables override it
     handler, render = HANDLERS[args.command]
     try:
         payload, code = handler(args)

@@ -194,6 +194,17 @@ class EvaluateConfig:
 
 
 @dataclass
+class StorageRetryConfig:
+    """The retry policy of every object-storage (S3) client of the run: stages, Ray workers, ops
+    tools. See ``pipeline.storage`` for what is retried and the resulting budget."""
+
+    max_attempts: int = 8  # tries of one S3 request, the first included (botocore standard mode)
+    body_attempts: int = 3  # s3fs: tries of a call whose response body broke off mid-read
+    connect_timeout_s: float = 10.0  # per attempt
+    read_timeout_s: float = 60.0  # per attempt: a response silent this long is retried
+
+
+@dataclass
 class RayConfig:
     address: Optional[str] = None  # None: RAY_ADDRESS if set (ray job submit), else a local instance
     num_cpus: Optional[int] = None  # for a local instance
@@ -215,6 +226,7 @@ class RunConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    storage: StorageRetryConfig = field(default_factory=StorageRetryConfig)
 
 
 def _check(ok: bool, key: str, msg: str) -> None:
@@ -267,6 +279,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.train.validation_samples >= 1, "train.validation_samples", "must be >= 1")
     _check(cfg.evaluate.block_samples >= 0, "evaluate.block_samples", "must be >= 0 (0 = no block-level evaluation)")
     _check(cfg.evaluate.block_anchors >= 1, "evaluate.block_anchors", "must be >= 1")
+    _check(cfg.storage.max_attempts >= 1, "storage.max_attempts", "must be >= 1 (1 = no retries)")
+    _check(cfg.storage.body_attempts >= 1, "storage.body_attempts", "must be >= 1 (1 = no re-reads)")
+    _check(min(cfg.storage.connect_timeout_s, cfg.storage.read_timeout_s) > 0, "storage.read_timeout_s",
+           "storage.connect_timeout_s and storage.read_timeout_s must be > 0 seconds")
     _check(cfg.calibrate.bins >= 2, "calibrate.bins", "must be >= 2")
     _check(0 < cfg.calibrate.grid_step < 1, "calibrate.grid_step", "must be in (0, 1)")
     _check(all(t >= 0 for t in cfg.evaluate.temperatures), "evaluate.temperatures", "must be >= 0")

@@ -349,7 +349,9 @@ class ShardGenerator:
 
     def __init__(self, cfg: RunConfig, out_url: str, settings_: dict[str, Any], use_gpu: bool):
         from pipeline.engines import make_engine
+        from pipeline.storage import configure_storage
 
+        configure_storage(cfg.storage)
         self.cfg, self.out_url, self.settings = cfg, out_url, settings_
         self.engine = make_engine(cfg.generate, cfg.target, cfg.data.max_length + cfg.generate.max_new_tokens,
                                   "cuda" if use_gpu else "cpu")

@@ -190,6 +190,9 @@ def train_worker(config: dict[str, Any]) -> None:
     from training.losses import LossConfig
     from training.validation import curve_summary, plot_curves, validate, validation_batches
 
+    from pipeline.storage import configure_storage
+
+    configure_storage(cfg.storage)
     rank, world = _rank_world()
     torch.manual_seed(cfg.train.seed)
     reader = CacheReader(cache_url(cfg), Fingerprint.from_json(config["fingerprint"]))
