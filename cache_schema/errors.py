@@ -92,10 +92,23 @@ class StorageUnavailableError(CacheError):
     was committed by the failed call; rerunning the same command continues where it stopped."""
 
 
+def _not_transient() -> tuple[type[BaseException], ...]:
+    """Storage errors that retrying cannot fix and that callers handle by type: absent or existing
+    objects, refused or missing credentials, the library's own errors."""
+    found: list[type[BaseException]] = [FileNotFoundError, FileExistsError, PermissionError, CacheError]
+    try:
+        from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+
+        found += [NoCredentialsError, PartialCredentialsError]
+    except ImportError:  # no S3 backend installed
+        pass
+    return tuple(found)
+
+
 def transient_storage_errors() -> tuple[type[BaseException], ...]:
     """Exception types a storage backend raises once its retries are spent: OSError (s3fs
-    translates S3 error codes into it; FileNotFoundError, FileExistsError and PermissionError
-    excepted by :func:`storage_call`), botocore's and aiohttp's errors, timeouts."""
+    translates S3 error codes into it), botocore's and aiohttp's errors, timeouts; the
+    :func:`_not_transient` ones are excepted by :func:`storage_call`."""
     found: list[type[BaseException]] = [OSError, TimeoutError]
     try:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -116,10 +129,10 @@ def transient_storage_errors() -> tuple[type[BaseException], ...]:
 def storage_call(url: str, what: str) -> Iterator[None]:
     """Turn a storage failure left after retries into one :class:`StorageUnavailableError` line
     naming ``url``, what was being done and the last error. Missing objects, existing objects,
-    refused credentials and the library's own errors pass unchanged."""
+    refused or missing credentials and the library's own errors pass unchanged."""
     try:
         yield
-    except (FileNotFoundError, FileExistsError, PermissionError, CacheError):
+    except _not_transient():
         raise
     except transient_storage_errors() as exc:
         last = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")

@@ -35,9 +35,9 @@ _USER_S3_OPTIONS = dict(fsspec.config.conf.get("s3", {}))  # FSSPEC_S3* variable
 
 
 def s3_options(policy) -> dict[str, Any]:
-    """s3fs constructor options of a :class:`pipeline.config.StorageRetryConfig`."""
-    return {"retries": int(policy.body_attempts),
-            "config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": int(policy.max_attempts)},
+    """s3fs constructor options of a :class:`pipeline.config.StorageRetryConfig` (the botocore part;
+    ``body_attempts`` is s3fs's class attribute ``retries``, set by :func:`configure_storage`)."""
+    return {"config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": int(policy.max_attempts)},
                               "connect_timeout": float(policy.connect_timeout_s),
                               "read_timeout": float(policy.read_timeout_s)}}
 
@@ -50,6 +50,11 @@ def configure_storage(policy=None) -> None:
 
         policy = StorageRetryConfig()
     fsspec.config.conf["s3"] = {**s3_options(policy), **_USER_S3_OPTIONS}
+    try:
+        import s3fs
+    except ImportError:  # no S3 backend installed: nothing else to configure
+        return
+    s3fs.S3FileSystem.retries = int(policy.body_attempts)
 
 
 def retry_budget_s(policy) -> float:
