@@ -14,7 +14,8 @@ schedule picks a fault for it:
   that fails after its body was sent.
 
 Each request matching ``match`` (a regex over ``"METHOD /bucket/key?query"``) draws one uniform
-number from ``random.Random(seed)``; the fault fractions cut [0, 1) in the order above. botocore sends
+number from ``random.Random(seed)``; the fault fractions cut [0, 1) in the order above (at most
+``limit`` faults when it is set). botocore sends
 ``Expect: 100-continue`` on every PUT: the proxy answers ``100 Continue`` (or a fault status
 before the body, closing the connection) so PUTs never stall. Requests and faults are counted by
 kind (LIST, GET, HEAD, PUT, DELETE, POST) for the tests and ``bench/bench_scale.py``.
@@ -57,6 +58,7 @@ class Faults:
     match: str = ""  # regex searched in "METHOD /bucket/key?query"; "" = every request
     seed: int = 0
     delay_s: float = 3.0  # how long a ``timeout`` response is held (set it above the client's read timeout)
+    limit: int = 0  # serve at most this many faults (0 = no limit)
 
     def __post_init__(self) -> None:
         rates = [getattr(self, k) for k in FAULT_KINDS]
@@ -140,6 +142,8 @@ class FaultProxy:
             self.stats.requests[request_kind(method, target)] += 1
             f = self._faults
             if f is NO_FAULTS or (f.match and not re.search(f.match, f"{method} {target}")):
+                return None
+            if f.limit and self.stats.retries_forced >= f.limit:
                 return None
             u, edge = self._rng.random(), 0.0
             for kind in FAULT_KINDS:
