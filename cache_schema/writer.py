@@ -75,16 +75,17 @@ def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> N
             raise
 
 
-def expected_objects(encoded: EncodedShard, storage: StorageConfig) -> set[str]:
-    """Keys (relative to the shard group) of every object that writing ``encoded`` must leave:
-    the group's and each array's ``zarr.json`` and one object per zarr shard of each non-empty
-    array (``StorageConfig.grid``; zarr v3 default chunk keys ``name/c/i[/0...]``)."""
+def expected_objects(arrays: dict[str, tuple[tuple[int, ...], int]], storage: StorageConfig) -> set[str]:
+    """Keys (relative to the shard group) of every object that writing arrays of these
+    ``{name: (shape, itemsize)}`` must leave: the group's and each array's ``zarr.json`` and one
+    object per zarr shard of each non-empty array (``StorageConfig.grid``; zarr v3 default chunk
+    keys ``name/c/i[/0...]``). The commit record is not among them."""
     keys = {"zarr.json"}
-    for name, data in encoded.arrays.items():
+    for name, (shape, itemsize) in arrays.items():
         keys.add(f"{name}/zarr.json")
-        _, shards = storage.grid(data.shape, data.itemsize)
-        tail = "/0" * (data.ndim - 1)
-        keys.update(f"{name}/c/{k}{tail}" for k in range(math.ceil(data.shape[0] / shards[0])))
+        _, shards = storage.grid(shape, itemsize)
+        tail = "/0" * (len(shape) - 1)
+        keys.update(f"{name}/c/{k}{tail}" for k in range(math.ceil(shape[0] / shards[0])))
     return keys
 
 
@@ -136,7 +137,7 @@ class CacheRoot:
         with storage_call(f"{self.url}/{COMMITS_DIR}", f"reading {len(indices)} commit records under"):
             texts = self.fs.cat([self._path(commit_key(i)) for i in indices])
         by_name = {path.rsplit("/", 1)[-1]: text for path, text in texts.items()}
-        return {i: self._parse_record(i, by_name[commit_key(i).rsplit("/", 1)[-1]]) for i in indices}
+        return {i: self.parse_record(i, by_name[commit_key(i).rsplit("/", 1)[-1]]) for i in indices}
 
     def is_committed(self, shard_index: int) -> bool:
         """Whether the shard has a commit record (fresh check, no listing cache)."""
@@ -156,9 +157,14 @@ class CacheRoot:
             raise ShardNotCommittedError(
                 f"shard {shard_index} of {self.url} is not committed; list committed shards with "
                 "committed_shards() or run the cache stage to write it")
-        return self._parse_record(shard_index, text)
+        return self.parse_record(shard_index, text)
 
-    def _parse_record(self, shard_index: int, text: bytes) -> ShardRecord:
+    def parse_record(self, shard_index: int, text: bytes) -> ShardRecord:
+        """The commit record of ``shard_index`` from its stored bytes ``text``.
+
+        Raises:
+            CorruptRecordError: unparseable, or it names another shard or fingerprint.
+        """
         where = self.fs.unstrip_protocol(self._path(commit_key(shard_index)))
         record = ShardRecord.from_json(text, where)
         if record.shard_index != shard_index or record.fingerprint_sha256 != self.fingerprint.digest():
@@ -239,7 +245,8 @@ class CacheRoot:
         with storage_call(group_url, f"writing shard {shard_index} to"):
             self._write_group(shard_index, encoded)
             objects = self.shard_objects(shard_index)
-        missing = sorted(expected_objects(encoded, self.storage) - set(objects))
+        shapes = {name: (data.shape, data.itemsize) for name, data in encoded.arrays.items()}
+        missing = sorted(expected_objects(shapes, self.storage) - set(objects))
         if missing:  # never commit a shard whose objects are not all confirmed
             raise StorageUnavailableError(
                 f"writing shard {shard_index} to {group_url}: {len(missing)} written objects are not listed "

@@ -228,6 +228,20 @@ def check_plan(url: str, shards: list[tuple[int, ShardSpan]], committed: dict[in
                 "was written; restore them, or write to a new run_dir")
 
 
+def resume_plan(cfg: RunConfig, root) -> tuple[list[tuple[int, ShardSpan]], set[int], list[tuple[int, ShardSpan]]]:
+    """(planned shards, committed shard indices, shards still to write) of a run over ``root`` (a
+    CacheRoot): one listing of the commit records and one batched read of them.
+
+    Raises:
+        ShardPlanMismatchError: see :func:`check_plan`.
+    """
+    shards = plan(cfg)
+    records = root.committed_records()
+    check_plan(root.url, shards, {i: r.extra for i, r in records.items()})
+    done = set(records)
+    return shards, done, [(i, s) for i, s in shards if i not in done]
+
+
 def storage_config(cfg: RunConfig) -> StorageConfig:
     return StorageConfig(zstd_level=3 if cfg.cache.compression == "zstd" else None)
 
@@ -257,11 +271,7 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
     root_url = cache_url(cfg)
     storage = storage_config(cfg)
     root = open_cache(root_url, fp, create=True, storage=storage)
-    shards = plan(cfg)
-    records = root.committed_records()
-    check_plan(root_url, shards, {i: r.extra for i, r in records.items()})
-    done = set(records)
-    pending = [(i, s) for i, s in shards if i not in done]
+    shards, done, pending = resume_plan(cfg, root)
     log.info("cache: %d shards planned, %d already committed, %d to write", len(shards), len(done), len(pending))
     run = {"shards_planned": len(shards), "shards_already_committed": len(done & {i for i, _ in shards}),
            "shards_written": 0, "estimate_bytes": 0, "prefill_tokens_per_s": None,

@@ -1,0 +1,265 @@
+"""Scale of the cache tools with the number of shards: seconds, peak memory, storage requests.
+
+Writes a synthetic cache straight through the product's writer (``CacheRoot.write_shard``: one
+sample of 4 tokens per shard, hidden size 8, one target layer, each record holding the row range
+the cache stage would plan for it), grown to each size in turn, and after each size runs every
+command once in a fresh process (so peak RSS is the command's own, imports included):
+
+    ls, stat, du, verify (from scratch), verify (resumed from its cursor), diff (the cache against
+    itself: two roots), resume (the cache stage's resume planning, everything committed),
+    reader (CacheReader opening the cache), order (the train stage's data-order planning: reader,
+    split, every epoch's rank order).
+
+Storage requests: on S3, every HTTP request the clients send, counted by a pass-through proxy in
+front of moto (``tests/faultproxy.py``; LIST = one listing page of up to 1,000 keys); on local
+disk, file opens plus directory listings (Python audit events ``open``, ``os.listdir``,
+``os.scandir``). The slope (per shard) is the least-squares fit over the sizes.
+
+Also measures the requests of one shard write and of a training epoch's reads on S3, the
+constants behind the request cost model of ``ops estimate``.
+
+    nice -n 10 python bench/bench_scale.py --local 1000 5000 20000 --s3 1000 5000 --out runs/bench_scale.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from common import REPO, s3_server
+
+COMMANDS = ("ls", "stat", "du", "verify", "verify_resumed", "diff", "resume", "reader", "order")
+H, T = 8, 4
+
+
+def fingerprint():
+    from cache_schema import Fingerprint
+
+    return Fingerprint(target={"model_type": "qwen3", "hidden_size": H, "num_hidden_layers": 2}, embed_hash="e",
+                       lm_head_hash="f", tokenizer_hash="a", chat_template_hash="b", target_layer_ids=(0,),
+                       max_length=64, min_loss_tokens=1)
+
+
+def sample(i: int):
+    import torch
+
+    from cache_schema import CacheSample
+
+    g = torch.Generator().manual_seed(i)
+    mask = torch.tensor([0] + [1] * (T - 1), dtype=torch.uint8)
+    return CacheSample(input_ids=torch.randint(0, 512, (T,), generator=g, dtype=torch.int32), loss_mask=mask,
+                       features=torch.randn(T, H, generator=g).to(torch.bfloat16),
+                       last_hidden=torch.randn(T - 1, H, generator=g).to(torch.bfloat16),
+                       sample_id=f"0-{i}", source=0, row=i, content_hash=f"{i:08x}")
+
+
+def grow(url: str, start: int, stop: int, workers: int = 4) -> None:
+    """Write shards ``start..stop-1`` (one sample each, row i of input file 0)."""
+    from cache_schema import open_cache
+
+    root = open_cache(url, fingerprint())
+
+    def one(i: int) -> None:
+        root.write_shard(i, [sample(i)], writer_id="bench",
+                         extra={"skipped": {}, "source": 0, "rows": [i, i + 1]})
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, range(start, stop)))
+
+
+def data_file(n: int, folder: str) -> str:
+    """A chat file of ``n`` rows: the input the resume planning maps shards onto (1 row per shard)."""
+    path = Path(folder) / f"chats-{n}.jsonl"
+    if not path.exists():
+        row = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+        path.write_text((row + "\n") * n)
+    return str(path)
+
+
+def run_command(name: str, url: str, data: str, cursor: str) -> None:
+    """One command, as the product runs it (called in a fresh process)."""
+    from ops import compare, inspect, verify
+
+    if name == "ls":
+        inspect.ls(url)
+    elif name == "stat":
+        inspect.stat(url)
+    elif name == "du":
+        inspect.du(url)
+    elif name in ("verify", "verify_resumed"):
+        report, _ = verify.verify(url, workers=4, cursor=cursor, restart=name == "verify", progress=False)
+        assert report["ok"] and report["verified_now"] == (report["shards"] if name == "verify" else 0), report
+    elif name == "diff":
+        assert compare.diff(url, url)[0]["identical"]
+    elif name == "resume":
+        from cache_schema import open_cache
+        from pipeline.cache import resume_plan
+        from pipeline.run import DEFAULT_CONFIG, load_config
+
+        cfg = load_config(DEFAULT_CONFIG, [f"data.train_files=[{data}]", "generate.enabled=false",
+                                           "cache.rows_per_shard=1"])
+        _, done, pending = resume_plan(cfg, open_cache(url, create=False))
+        assert not pending and done, (len(done), len(pending))
+    elif name in ("reader", "order"):
+        from cache_schema import CacheReader
+
+        reader = CacheReader(url)
+        if name == "order":
+            from training.data import rank_order, split_shards
+
+            split = split_shards({s: r.num_samples for s, r in reader.records.items()}, 1, 1)
+            for epoch in range(3):
+                assert len(rank_order(split, seed=0, epoch=epoch, rank=0, world=1)) == len(split.train)
+
+
+def child(name: str, url: str, data: str, cursor: str) -> None:
+    """Entry of the measuring process: prints {seconds, peak_mib, local_requests}."""
+    counts = {"open": 0, "list": 0}
+
+    def audit(event: str, args) -> None:
+        if event == "open":
+            counts["open"] += 1
+        elif event in ("os.listdir", "os.scandir"):
+            counts["list"] += 1
+
+    from pipeline.storage import configure_storage
+
+    configure_storage()
+    import ops.compare, ops.inspect, ops.verify, pipeline.cache, training.data  # noqa: F401,E401 (imports not timed)
+
+    sys.addaudithook(audit)
+    before = dict(counts)
+    t0 = time.perf_counter()
+    run_command(name, url, data, cursor)
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"seconds": seconds, "peak_mib": peak,
+                      "local_requests": {k: counts[k] - before[k] for k in counts}}))
+
+
+def measure(name: str, url: str, data: str, cursor: str, proxy=None) -> dict:
+    if proxy is not None:
+        proxy.reset_stats()
+    out = subprocess.run(["nice", "-n", "10", sys.executable, __file__, "--child", name, url, data, cursor],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if out.returncode:
+        raise RuntimeError(f"{name} on {url} failed:\n{out.stderr[-3000:]}")
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    if proxy is None:
+        row["requests"] = sum(row["local_requests"].values())
+        row["by_kind"] = row.pop("local_requests")
+    else:
+        stats = proxy.reset_stats()
+        row.pop("local_requests")
+        row["requests"], row["by_kind"] = stats.total, dict(stats.requests)
+    return row
+
+
+def slope(xs: list[int], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else float("nan")
+
+
+def sweep(url: str, sizes: list[int], tmp: str, proxy=None) -> dict:
+    out, have = {}, 0
+    cursor = f"{tmp}/cursor-{abs(hash(url))}.jsonl"
+    for n in sizes:
+        t0 = time.perf_counter()
+        if proxy is not None:
+            proxy.reset_stats()
+        grow(url, have, n)
+        write = {"seconds": time.perf_counter() - t0, "shards": n - have}
+        if proxy is not None:
+            write["requests"] = dict(proxy.reset_stats().requests)
+        print(f"{url}: wrote {n - have} shards in {write['seconds']:.0f} s", flush=True)
+        have = n
+        data = data_file(n, tmp)
+        rows = {name: measure(name, url, data, cursor, proxy) for name in COMMANDS}
+        for name, r in rows.items():
+            print(f"  {n:>6} {name:<15} {r['seconds']:8.2f} s {r['peak_mib']:7.0f} MiB {r['requests']:>8} req "
+                  f"{r['by_kind']}", flush=True)
+        out[n] = {"write": write, "commands": rows}
+    return out
+
+
+def epoch_reads(url: str, proxy, shards: int, samples_per_shard: int) -> dict:
+    """Requests of writing ``shards`` shards and of reading them all in training order once (S3)."""
+    from cache_schema import CacheReader, open_cache
+    from training.data import rank_order, split_shards
+
+    root = open_cache(url, fingerprint())
+    proxy.reset_stats()
+    for i in range(shards):
+        root.write_shard(i, [sample(i * samples_per_shard + k) for k in range(samples_per_shard)], writer_id="b")
+    write = dict(proxy.reset_stats().requests)
+    reader = CacheReader(url)
+    split = split_shards({s: r.num_samples for s, r in reader.records.items()}, 0)
+    starts = {s: sum(reader.records[t].num_samples for t in reader.shards if t < s) for s in reader.shards}
+    proxy.reset_stats()
+    for s, k in rank_order(split, seed=0, epoch=0, rank=0, world=1):
+        reader.sample(starts[s] + k)
+    return {"shards": shards, "samples_per_shard": samples_per_shard, "write": write,
+            "read_epoch": dict(proxy.reset_stats().requests)}
+
+
+def table(results: dict, where: str) -> str:
+    sizes = sorted(int(n) for n in results)
+    lines = [f"| {where} command | " + " | ".join(f"{n:,} shards: s / MiB / requests" for n in sizes)
+             + " | slope per shard: ms / KiB / requests |", "|---" * (len(sizes) + 2) + "|"]
+    for name in COMMANDS:
+        rows = [results[n]["commands"][name] for n in sizes]
+        cells = [f"{r['seconds']:.2f} / {r['peak_mib']:.0f} / {r['requests']:,}" for r in rows]
+        s = (1000 * slope(sizes, [r["seconds"] for r in rows]), 1024 * slope(sizes, [r["peak_mib"] for r in rows]),
+             slope(sizes, [r["requests"] for r in rows]))
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {s[0]:.3f} / {s[1]:.1f} / {s[2]:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--local", type=int, nargs="*", default=[1000, 5000, 20000])
+    parser.add_argument("--s3", type=int, nargs="*", default=[1000, 5000])
+    parser.add_argument("--out", default="runs/bench_scale.json")
+    parser.add_argument("--child", nargs=4, metavar=("COMMAND", "URL", "DATA", "CURSOR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(*args.child)
+        return
+    sys.path.insert(0, str(REPO))
+    from pipeline.storage import configure_storage
+
+    configure_storage()
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.local:
+            results["local"] = sweep(f"{tmp}/cache", sorted(args.local), tmp)
+            print(table(results["local"], "local disk"), flush=True)
+        if args.s3:
+            from tests.faultproxy import FaultProxy
+
+            with s3_server() as bucket:
+                proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"])
+                os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint  # every client, children too, through the counter
+                import s3fs
+
+                s3fs.S3FileSystem.clear_instance_cache()
+                results["s3_cost"] = [epoch_reads(f"{bucket}/cost{k}", proxy, 20, k) for k in (1, 8)]
+                print(json.dumps(results["s3_cost"]), flush=True)
+                results["s3"] = sweep(f"{bucket}/cache", sorted(args.s3), tmp, proxy)
+                print(table(results["s3"], "S3 (moto)"), flush=True)
+                proxy.close()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
