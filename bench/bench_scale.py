@@ -3,7 +3,7 @@
 Writes a synthetic cache straight through the product's writer (``CacheRoot.write_shard``: one
 sample of 4 tokens per shard, hidden size 8, one target layer, each record holding the row range
 the cache stage would plan for it), grown to each size in turn, and after each size runs every
-command once in a fresh process (so peak RSS is the command's own, imports included):
+command once in this process (peak RSS is sampled above the command's start, imports excluded):
 
     ls, stat, du, verify (from scratch), verify (resumed from its cursor), diff (the cache against
     itself: two roots), resume (the cache stage's resume planning, everything committed),
@@ -25,15 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
+import threading
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import REPO, s3_server
+from common import s3_server
 
 COMMANDS = ("ls", "stat", "du", "verify", "verify_resumed", "diff", "resume", "reader", "order")
 H, T = 8, 4
@@ -119,47 +118,63 @@ def run_command(name: str, url: str, data: str, cursor: str) -> None:
                 assert len(rank_order(split, seed=0, epoch=epoch, rank=0, world=1)) == len(split.train)
 
 
-def child(name: str, url: str, data: str, cursor: str) -> None:
-    """Entry of the measuring process: prints {seconds, peak_mib, local_requests}."""
-    counts = {"open": 0, "list": 0}
+class LocalCounter:
+    """File opens and directory listings of this process (Python audit events)."""
 
-    def audit(event: str, args) -> None:
+    def __init__(self):
+        self.counts = {"open": 0, "list": 0}
+        sys.addaudithook(self._hook)
+
+    def _hook(self, event: str, args) -> None:
         if event == "open":
-            counts["open"] += 1
+            self.counts["open"] += 1
         elif event in ("os.listdir", "os.scandir"):
-            counts["list"] += 1
+            self.counts["list"] += 1
 
-    from pipeline.storage import configure_storage
+    def take(self) -> dict[str, int]:
+        out, self.counts = self.counts, {"open": 0, "list": 0}
+        return out
 
-    configure_storage()
-    import ops.compare, ops.inspect, ops.verify, pipeline.cache, training.data  # noqa: F401,E401 (imports not timed)
 
-    sys.addaudithook(audit)
-    before = dict(counts)
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def measure(name: str, url: str, data: str, cursor: str, counter) -> dict:
+    """Seconds, peak resident memory above the start of the command (MiB, sampled every 5 ms) and
+    storage requests of one command run in this process (the S3 filesystem cache cleared first)."""
+    import gc
+
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    gc.collect()
+    counter.take()
+    base, peak, stop = rss_mib(), [0.0], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.005):
+            peak[0] = max(peak[0], rss_mib())
+
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
     t0 = time.perf_counter()
     run_command(name, url, data, cursor)
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"seconds": seconds, "peak_mib": peak,
-                      "local_requests": {k: counts[k] - before[k] for k in counts}}))
+    stop.set()
+    watcher.join()
+    by_kind = counter.take()
+    return {"seconds": seconds, "peak_mib": max(0.0, max(peak[0], rss_mib()) - base),
+            "requests": sum(by_kind.values()), "by_kind": by_kind}
 
 
-def measure(name: str, url: str, data: str, cursor: str, proxy=None) -> dict:
-    if proxy is not None:
-        proxy.reset_stats()
-    out = subprocess.run(["nice", "-n", "10", sys.executable, __file__, "--child", name, url, data, cursor],
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    if out.returncode:
-        raise RuntimeError(f"{name} on {url} failed:\n{out.stderr[-3000:]}")
-    row = json.loads(out.stdout.strip().splitlines()[-1])
-    if proxy is None:
-        row["requests"] = sum(row["local_requests"].values())
-        row["by_kind"] = row.pop("local_requests")
-    else:
-        stats = proxy.reset_stats()
-        row.pop("local_requests")
-        row["requests"], row["by_kind"] = stats.total, dict(stats.requests)
-    return row
+class ProxyCounter:
+    def __init__(self, proxy):
+        self.proxy = proxy
+
+    def take(self) -> dict[str, int]:
+        return dict(self.proxy.reset_stats().requests)
 
 
 def slope(xs: list[int], ys: list[float]) -> float:
@@ -169,21 +184,18 @@ def slope(xs: list[int], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else float("nan")
 
 
-def sweep(url: str, sizes: list[int], tmp: str, proxy=None) -> dict:
+def sweep(url: str, sizes: list[int], tmp: str, counter) -> dict:
     out, have = {}, 0
     cursor = f"{tmp}/cursor-{abs(hash(url))}.jsonl"
     for n in sizes:
         t0 = time.perf_counter()
-        if proxy is not None:
-            proxy.reset_stats()
+        counter.take()
         grow(url, have, n)
-        write = {"seconds": time.perf_counter() - t0, "shards": n - have}
-        if proxy is not None:
-            write["requests"] = dict(proxy.reset_stats().requests)
-        print(f"{url}: wrote {n - have} shards in {write['seconds']:.0f} s", flush=True)
+        write = {"seconds": time.perf_counter() - t0, "shards": n - have, "requests": counter.take()}
+        print(f"{url}: wrote {n - have} shards in {write['seconds']:.0f} s: {write['requests']}", flush=True)
         have = n
         data = data_file(n, tmp)
-        rows = {name: measure(name, url, data, cursor, proxy) for name in COMMANDS}
+        rows = {name: measure(name, url, data, cursor, counter) for name in COMMANDS}
         for name, r in rows.items():
             print(f"  {n:>6} {name:<15} {r['seconds']:8.2f} s {r['peak_mib']:7.0f} MiB {r['requests']:>8} req "
                   f"{r['by_kind']}", flush=True)
@@ -229,19 +241,15 @@ def main() -> None:
     parser.add_argument("--local", type=int, nargs="*", default=[1000, 5000, 20000])
     parser.add_argument("--s3", type=int, nargs="*", default=[1000, 5000])
     parser.add_argument("--out", default="runs/bench_scale.json")
-    parser.add_argument("--child", nargs=4, metavar=("COMMAND", "URL", "DATA", "CURSOR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        child(*args.child)
-        return
-    sys.path.insert(0, str(REPO))
     from pipeline.storage import configure_storage
 
     configure_storage()
+    import ops.compare, ops.inspect, ops.verify, pipeline.cache, pipeline.run, training.data  # noqa: F401,E401
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.local:
-            results["local"] = sweep(f"{tmp}/cache", sorted(args.local), tmp)
+            results["local"] = sweep(f"{tmp}/cache", sorted(args.local), tmp, LocalCounter())
             print(table(results["local"], "local disk"), flush=True)
         if args.s3:
             from tests.faultproxy import FaultProxy
@@ -254,7 +262,7 @@ def main() -> None:
                 s3fs.S3FileSystem.clear_instance_cache()
                 results["s3_cost"] = [epoch_reads(f"{bucket}/cost{k}", proxy, 20, k) for k in (1, 8)]
                 print(json.dumps(results["s3_cost"]), flush=True)
-                results["s3"] = sweep(f"{bucket}/cache", sorted(args.s3), tmp, proxy)
+                results["s3"] = sweep(f"{bucket}/cache", sorted(args.s3), tmp, ProxyCounter(proxy))
                 print(table(results["s3"], "S3 (moto)"), flush=True)
                 proxy.close()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
