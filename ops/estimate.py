@@ -22,10 +22,12 @@ from ops.verify import array_specs
 ROOT_OBJECTS = 2  # fingerprint.json, and summary.json that the cache stage writes into the root
 
 # Storage requests besides the data itself, measured on S3 (moto behind a counting proxy) by
-# ``bench/bench_scale.py`` (README "Object storage at scale"):
-WRITE_EXTRA_PER_SHARD = 9  # non-PUT requests of one CacheRoot.write_shard (commit check, listings, reads)
-OPEN_PER_SHARD = 14  # requests to open one shard for reading (object listing + zarr metadata)
-INDEX_PER_ARRAY_READ = 1  # the zarr shard index GET before each slice read
+# ``bench/bench_scale.py`` (README "Object storage: retries, faults and scale"), 20 shards of 1 and
+# of 8 four-token samples: a write_shard made 18 PUTs (its objects) + 35 HEAD + 21 LIST + 8 GET; a
+# training epoch 1 LIST + 17 HEAD + 17 GET per shard of one sample, 4 HEAD + 4 GET per further sample.
+WRITE_EXTRA_PER_SHARD = 64  # non-PUT requests of one CacheRoot.write_shard (zarr's existence checks, listings)
+OPEN_PER_SHARD = 27  # requests to open one shard for reading (object listing, zarr metadata, small arrays)
+INDEX_PER_ARRAY_READ = 1  # the HEAD (object size, to find the zarr shard index) before each slice read
 LIST_PAGE = 1000  # keys per S3 listing page
 PUT_PRICE_PER_1000 = 0.005  # USD, S3 Standard list price (us-east-1, 2026); GET/LIST below
 GET_PRICE_PER_1000 = 0.0004
@@ -33,9 +35,11 @@ GET_PRICE_PER_1000 = 0.0004
 
 def sample_read_requests(tokens_per_sample: float, hidden_rows_per_sample: float, *, feature_width: int,
                          hidden_size: int, feature_dtype: str, chunk_bytes: int) -> float:
-    """Expected GET requests to read one sample for training: per token array read (input_ids,
-    loss_mask, features [+ feature_scale], last_hidden) the shard index plus the inner chunks its
-    rows touch (a span of b bytes over chunks of c bytes touches 1 + b/c chunks on average)."""
+    """Expected requests to read one sample for training: per token array read (input_ids,
+    loss_mask, features [+ feature_scale], last_hidden) one HEAD plus a GET per inner chunk its rows
+    touch (a span of b bytes over chunks of c bytes touches 1 + b/c chunks on average). Calibrated
+    on one-chunk samples (``bench/bench_scale.py``); a sample spanning chunks may cost one more GET
+    per array (the zarr shard index)."""
     feature_row = feature_width * (1 if feature_dtype == "fp8_e4m3" else 2)
     spans = [4 * tokens_per_sample, tokens_per_sample, feature_row * tokens_per_sample,
              2 * hidden_size * hidden_rows_per_sample]
@@ -158,7 +162,7 @@ def render_estimate(p: dict[str, Any]) -> str:
         ("bytes/token", p["bytes_per_token"]),
         ("objects", p["objects"]), ("budget", budget),
         ("requests: cache", f"{r['put_cache']:,} PUT + {r['other_cache']:,} other (${r['usd_cache']:,.2f})"),
-        ("requests: train", f"{r['get_per_epoch']:,} GET per epoch ({r['get_per_sample']} per sample); "
-                            f"{r['get_per_run']:,} per run of {r['epochs']} epochs x {r['drafters']} drafters "
-                            f"(${r['usd_run']:,.2f})")]), "", "skipped rows:",
+        ("requests: train", f"{r['get_per_epoch']:,} reads (GET/HEAD/LIST) per epoch ({r['get_per_sample']} "
+                            f"per sample); {r['get_per_run']:,} per run of {r['epochs']} epochs x {r['drafters']} "
+                            f"drafters (${r['usd_run']:,.2f} at the GET price)")]), "", "skipped rows:",
         table([{"reason": k, "rows": v} for k, v in p["skipped_rows"].items()], ["reason", "rows"])])
