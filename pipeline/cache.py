@@ -257,6 +257,8 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
     Raises:
         FingerprintMismatchError: the output holds a cache of another target/config.
         StorageBudgetError: the estimate exceeds ``cache.storage_budget_bytes`` (before prefill).
+        StorageUnavailableError: shards whose storage retries ran out (``storage:``), after every
+            other shard was written; one line naming the first one's URL and its last S3 error.
     """
     import ray
     from tqdm import tqdm
