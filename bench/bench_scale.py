@@ -10,15 +10,14 @@ command once in this process (peak RSS is sampled above the command's start, imp
     reader (CacheReader opening the cache), order (the train stage's data-order planning: reader,
     split, every epoch's rank order).
 
-Storage requests: on S3, every HTTP request the clients send, counted by a pass-through proxy in
-front of moto (``tests/faultproxy.py``; LIST = one listing page of up to 1,000 keys); on local
-disk, file opens plus directory listings (Python audit events ``open``, ``os.listdir``,
-``os.scandir``). The slope (per shard) is the least-squares fit over the sizes.
+Storage requests: on S3 (moto on 127.0.0.1), every HTTP request the S3 clients send, counted on
+botocore's ``before-send`` event (LIST = one listing page of up to 1,000 keys); on local disk, file
+opens plus directory listings (Python audit events ``open``, ``os.listdir``, ``os.scandir``). The slope (per shard) is the least-squares fit over the sizes.
 
 Also measures the requests of one shard write and of a training epoch's reads on S3, the
 constants behind the request cost model of ``ops estimate``.
 
-    nice -n 10 python bench/bench_scale.py --local 1000 5000 20000 --s3 1000 5000 --out runs/bench_scale.json
+    nice -n 10 python bench/bench_scale.py --local 1000 5000 20000 --s3 1000 5000 --cost --out runs/bench_scale.json
 """
 from __future__ import annotations
 
@@ -169,12 +168,34 @@ def measure(name: str, url: str, data: str, cursor: str, counter) -> dict:
             "requests": sum(by_kind.values()), "by_kind": by_kind}
 
 
-class ProxyCounter:
-    def __init__(self, proxy):
-        self.proxy = proxy
+class S3Counter:
+    """HTTP requests (every attempt) of every S3 client of this process, by operation, counted on
+    botocore's ``before-send`` event of each client s3fs creates."""
+
+    def __init__(self):
+        import s3fs
+
+        self.counts: dict[str, int] = {}
+        counter, original = self, s3fs.S3FileSystem.set_session
+
+        async def set_session(fs, *args, **kwargs):
+            client = await original(fs, *args, **kwargs)
+            if not getattr(client, "_bench_counted", False):
+                client.meta.events.register("before-send.s3", counter._hook)
+                client._bench_counted = True
+            return client
+
+        s3fs.S3FileSystem.set_session = set_session
+
+    def _hook(self, request=None, event_name: str = "", **kwargs) -> None:
+        op = event_name.rsplit(".", 1)[-1]
+        kind = {"ListObjectsV2": "LIST", "ListObjects": "LIST", "HeadObject": "HEAD", "GetObject": "GET",
+                "PutObject": "PUT", "DeleteObject": "DELETE", "DeleteObjects": "DELETE"}.get(op, op)
+        self.counts[kind] = self.counts.get(kind, 0) + 1
 
     def take(self) -> dict[str, int]:
-        return dict(self.proxy.reset_stats().requests)
+        out, self.counts = self.counts, {}
+        return out
 
 
 def slope(xs: list[int], ys: list[float]) -> float:
@@ -203,24 +224,24 @@ def sweep(url: str, sizes: list[int], tmp: str, counter) -> dict:
     return out
 
 
-def epoch_reads(url: str, proxy, shards: int, samples_per_shard: int) -> dict:
+def epoch_reads(url: str, counter, shards: int, samples_per_shard: int) -> dict:
     """Requests of writing ``shards`` shards and of reading them all in training order once (S3)."""
     from cache_schema import CacheReader, open_cache
     from training.data import rank_order, split_shards
 
     root = open_cache(url, fingerprint())
-    proxy.reset_stats()
+    counter.take()
     for i in range(shards):
         root.write_shard(i, [sample(i * samples_per_shard + k) for k in range(samples_per_shard)], writer_id="b")
-    write = dict(proxy.reset_stats().requests)
+    write = counter.take()
     reader = CacheReader(url)
     split = split_shards({s: r.num_samples for s, r in reader.records.items()}, 0)
     starts = {s: sum(reader.records[t].num_samples for t in reader.shards if t < s) for s in reader.shards}
-    proxy.reset_stats()
+    counter.take()
     for s, k in rank_order(split, seed=0, epoch=0, rank=0, world=1):
         reader.sample(starts[s] + k)
     return {"shards": shards, "samples_per_shard": samples_per_shard, "write": write,
-            "read_epoch": dict(proxy.reset_stats().requests)}
+            "read_epoch": counter.take()}
 
 
 def table(results: dict, where: str) -> str:
@@ -241,6 +262,7 @@ def main() -> None:
     parser.add_argument("--local", type=int, nargs="*", default=[1000, 5000, 20000])
     parser.add_argument("--s3", type=int, nargs="*", default=[1000, 5000])
     parser.add_argument("--out", default="runs/bench_scale.json")
+    parser.add_argument("--cost", action="store_true", help="also the write and epoch-read requests (ops estimate)")
     args = parser.parse_args()
     from pipeline.storage import configure_storage
 
@@ -252,19 +274,13 @@ def main() -> None:
             results["local"] = sweep(f"{tmp}/cache", sorted(args.local), tmp, LocalCounter())
             print(table(results["local"], "local disk"), flush=True)
         if args.s3:
-            from tests.faultproxy import FaultProxy
-
             with s3_server() as bucket:
-                proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"])
-                os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint  # every client, children too, through the counter
-                import s3fs
-
-                s3fs.S3FileSystem.clear_instance_cache()
-                results["s3_cost"] = [epoch_reads(f"{bucket}/cost{k}", proxy, 20, k) for k in (1, 8)]
-                print(json.dumps(results["s3_cost"]), flush=True)
-                results["s3"] = sweep(f"{bucket}/cache", sorted(args.s3), tmp, ProxyCounter(proxy))
+                counter = S3Counter()
+                results["s3"] = sweep(f"{bucket}/cache", sorted(args.s3), tmp, counter)
                 print(table(results["s3"], "S3 (moto)"), flush=True)
-                proxy.close()
+                if args.cost:
+                    results["s3_cost"] = [epoch_reads(f"{bucket}/cost{k}", counter, 20, k) for k in (1, 8)]
+                    print(json.dumps(results["s3_cost"]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
 
