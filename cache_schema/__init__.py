@@ -40,7 +40,7 @@ from cache_schema.errors import (CacheError, CacheNotFoundError, ChecksumMismatc
                                  InvalidRecordError, InvalidSampleError, InvalidStorageConfigError,
                                  MissingObjectError, NonFiniteSampleError, SchemaVersionError,
                                  ShardAlreadyCommittedError, ShardNotCommittedError,
-                                 TruncatedObjectError)
+                                 StorageUnavailableError, TruncatedObjectError)
 from cache_schema.estimate import SizeEstimate, estimate_cache_bytes, shard_overhead_bytes
 from cache_schema.fingerprint import Fingerprint, tensor_sha256
 from cache_schema.layout import SCHEMA_VERSION, CacheSample, ShardRecord, StorageConfig
@@ -53,5 +53,5 @@ __all__ = [
     "CacheError", "CacheNotFoundError", "ChecksumMismatchError", "CorruptRecordError",
     "FingerprintMismatchError", "InvalidFingerprintError", "InvalidRecordError", "InvalidSampleError",
     "InvalidStorageConfigError", "MissingObjectError", "NonFiniteSampleError", "SchemaVersionError",
-    "ShardAlreadyCommittedError", "ShardNotCommittedError", "TruncatedObjectError",
+    "ShardAlreadyCommittedError", "ShardNotCommittedError", "StorageUnavailableError", "TruncatedObjectError",
 ]

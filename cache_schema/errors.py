@@ -5,6 +5,9 @@ Messages always say what to do next (the fix), not only what went wrong.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class CacheError(Exception):
     """Base class of every error raised by ``cache_schema``."""
@@ -81,3 +84,59 @@ class TruncatedObjectError(CacheError):
 
 class ChecksumMismatchError(CacheError):
     """An array's content checksum differs from the one in the shard's commit record."""
+
+
+class StorageUnavailableError(CacheError):
+    """An object-storage call still failed after the retry policy's attempts (503 SlowDown, 500,
+    connection resets, timeouts), or a written shard's objects could not all be confirmed. Nothing
+    was committed by the failed call; rerunning the same command continues where it stopped."""
+
+
+def _not_transient() -> tuple[type[BaseException], ...]:
+    """Storage errors that retrying cannot fix and that callers handle by type: absent or existing
+    objects, refused or missing credentials, the library's own errors."""
+    found: list[type[BaseException]] = [FileNotFoundError, FileExistsError, PermissionError, CacheError]
+    try:
+        from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+
+        found += [NoCredentialsError, PartialCredentialsError]
+    except ImportError:  # no S3 backend installed
+        pass
+    return tuple(found)
+
+
+def transient_storage_errors() -> tuple[type[BaseException], ...]:
+    """Exception types a storage backend raises once its retries are spent: OSError (s3fs
+    translates S3 error codes into it), botocore's and aiohttp's errors, timeouts; the
+    :func:`_not_transient` ones are excepted by :func:`storage_call`."""
+    found: list[type[BaseException]] = [OSError, TimeoutError]
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        found += [BotoCoreError, ClientError]
+    except ImportError:  # no S3 backend installed
+        pass
+    try:
+        from aiohttp import ClientError as AiohttpClientError
+
+        found.append(AiohttpClientError)
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+@contextmanager
+def storage_call(url: str, what: str) -> Iterator[None]:
+    """Turn a storage failure left after retries into one :class:`StorageUnavailableError` line
+    naming ``url``, what was being done and the last error. Missing objects, existing objects,
+    refused or missing credentials and the library's own errors pass unchanged."""
+    try:
+        yield
+    except _not_transient():
+        raise
+    except transient_storage_errors() as exc:
+        last = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
+        raise StorageUnavailableError(
+            f"{what} {url} failed after the storage retry policy's attempts; last error: {last}. "
+            "Nothing of it was committed: check the store (throttling, outage), raise storage.max_attempts "
+            "if needed, and rerun the same command to continue") from exc

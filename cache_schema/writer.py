@@ -6,7 +6,12 @@ Commit protocol for one shard (the unit of work and of ownership):
 2. validate every sample (dtypes, shapes, provenance, finite values) before touching storage;
 3. remove whatever objects an earlier, uncommitted attempt left in the shard group;
 4. write the Zarr group and each array in ONE call (never chunk by chunk, never from two writers);
-5. list the written objects and write the commit record LAST, created only if absent.
+5. list the written objects, confirm that every object the arrays need is there
+   (:func:`expected_objects`), and write the commit record LAST, created only if absent (a retried
+   commit PUT that finds its own, identical record counts as done: :func:`create_exclusive`).
+
+A storage failure left after the retry policy's attempts (``storage``) raises
+StorageUnavailableError naming the URL and the last error, with nothing committed.
 
 Two writers never touch one shard: the pipeline assigns each shard index to exactly one task at a
 time. The exclusive create of the commit record makes a violation fail loudly at commit time, but
@@ -16,6 +21,7 @@ Every listing invalidates the fsspec listing cache first, so a stale cache never
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from datetime import datetime, timezone
 from typing import Any
@@ -28,7 +34,8 @@ from zarr.storage import FsspecStore
 
 from cache_schema.errors import (CacheNotFoundError, CorruptRecordError, FingerprintMismatchError,
                                  InvalidFingerprintError, InvalidRecordError, InvalidSampleError,
-                                 SchemaVersionError, ShardAlreadyCommittedError, ShardNotCommittedError)
+                                 SchemaVersionError, ShardAlreadyCommittedError, ShardNotCommittedError,
+                                 StorageUnavailableError, storage_call)
 from cache_schema.fingerprint import Fingerprint
 from cache_schema.layout import (COMMITS_DIR, FINGERPRINT_OBJECT, SCHEMA_VERSION, CacheSample,
                                  EncodedShard, ShardRecord, StorageConfig, array_sha256, check_sample,
@@ -47,6 +54,39 @@ def _read_or_none(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:
         return fs.cat_file(path)
     except FileNotFoundError:
         return None
+
+
+def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Create the object ``path`` holding ``data`` only if it does not exist (S3: a conditional
+    PUT with ``If-None-Match: *``; local: ``open(..., "xb")``).
+
+    A retried PUT whose first attempt was stored but not acknowledged (a connection reset after
+    the body was sent) finds its own object: when the stored bytes equal ``data`` the call
+    succeeds, so a commit is never reported as a collision with itself.
+
+    Raises:
+        FileExistsError: the object exists with other bytes (another writer's).
+    """
+    try:
+        with fs.open(path, "xb") as f:
+            f.write(data)
+    except FileExistsError:
+        if _read_or_none(fs, path) != data:
+            raise
+
+
+def expected_objects(arrays: dict[str, tuple[tuple[int, ...], int]], storage: StorageConfig) -> set[str]:
+    """Keys (relative to the shard group) of every object that writing arrays of these
+    ``{name: (shape, itemsize)}`` must leave: the group's and each array's ``zarr.json`` and one
+    object per zarr shard of each non-empty array (``StorageConfig.grid``; zarr v3 default chunk
+    keys ``name/c/i[/0...]``). The commit record is not among them."""
+    keys = {"zarr.json"}
+    for name, (shape, itemsize) in arrays.items():
+        keys.add(f"{name}/zarr.json")
+        _, shards = storage.grid(shape, itemsize)
+        tail = "/0" * (len(shape) - 1)
+        keys.update(f"{name}/c/{k}{tail}" for k in range(math.ceil(shape[0] / shards[0])))
+    return keys
 
 
 class CacheRoot:
@@ -77,7 +117,8 @@ class CacheRoot:
         folder = self._path(COMMITS_DIR)
         self.fs.invalidate_cache(folder)
         try:
-            names = self.fs.ls(folder, detail=False)
+            with storage_call(f"{self.url}/{COMMITS_DIR}", "listing"):
+                names = self.fs.ls(folder, detail=False)
         except FileNotFoundError:
             return []
         stems = (name.rsplit("/", 1)[-1] for name in names)
@@ -93,9 +134,10 @@ class CacheRoot:
         indices = self.committed_shards()
         if not indices:
             return {}
-        texts = self.fs.cat([self._path(commit_key(i)) for i in indices])
+        with storage_call(f"{self.url}/{COMMITS_DIR}", f"reading {len(indices)} commit records under"):
+            texts = self.fs.cat([self._path(commit_key(i)) for i in indices])
         by_name = {path.rsplit("/", 1)[-1]: text for path, text in texts.items()}
-        return {i: self._parse_record(i, by_name[commit_key(i).rsplit("/", 1)[-1]]) for i in indices}
+        return {i: self.parse_record(i, by_name[commit_key(i).rsplit("/", 1)[-1]]) for i in indices}
 
     def is_committed(self, shard_index: int) -> bool:
         """Whether the shard has a commit record (fresh check, no listing cache)."""
@@ -115,9 +157,14 @@ class CacheRoot:
             raise ShardNotCommittedError(
                 f"shard {shard_index} of {self.url} is not committed; list committed shards with "
                 "committed_shards() or run the cache stage to write it")
-        return self._parse_record(shard_index, text)
+        return self.parse_record(shard_index, text)
 
-    def _parse_record(self, shard_index: int, text: bytes) -> ShardRecord:
+    def parse_record(self, shard_index: int, text: bytes) -> ShardRecord:
+        """The commit record of ``shard_index`` from its stored bytes ``text``.
+
+        Raises:
+            CorruptRecordError: unparseable, or it names another shard or fingerprint.
+        """
         where = self.fs.unstrip_protocol(self._path(commit_key(shard_index)))
         record = ShardRecord.from_json(text, where)
         if record.shard_index != shard_index or record.fingerprint_sha256 != self.fingerprint.digest():
@@ -171,7 +218,9 @@ class CacheRoot:
         """
         fp = self.fingerprint
         commit_path = self._path(commit_key(shard_index))
-        if self.is_committed(shard_index):
+        with storage_call(f"{self.url}/{commit_key(shard_index)}", "checking the commit record"):
+            committed = self.is_committed(shard_index)
+        if committed:
             raise ShardAlreadyCommittedError(
                 f"shard {shard_index} of {self.url} is already committed; committed shards are "
                 f"immutable: skip it, or delete {commit_key(shard_index)} and its group to rewrite it")
@@ -192,26 +241,34 @@ class CacheRoot:
                                      f"{shard_index}; make sample ids unique")
         encoded = encode_shard(samples, feature_dtype=fp.feature_dtype,
                                feature_width=fp.feature_width, hidden_size=fp.hidden_size)
-        self._write_group(shard_index, encoded)
+        group_url = f"{self.url}/{shard_group_key(shard_index)}"
+        with storage_call(group_url, f"writing shard {shard_index} to"):
+            self._write_group(shard_index, encoded)
+            objects = self.shard_objects(shard_index)
+        shapes = {name: (data.shape, data.itemsize) for name, data in encoded.arrays.items()}
+        missing = sorted(expected_objects(shapes, self.storage) - set(objects))
+        if missing:  # never commit a shard whose objects are not all confirmed
+            raise StorageUnavailableError(
+                f"writing shard {shard_index} to {group_url}: {len(missing)} written objects are not listed "
+                f"(first {missing[0]}); nothing was committed: rerun the same command to rewrite the shard")
         record = ShardRecord(
             schema_version=SCHEMA_VERSION, shard_index=shard_index, num_samples=len(samples),
             num_tokens=sum(s.num_tokens for s in samples),
             num_supervised_tokens=sum(s.num_supervised_tokens for s in samples),
             num_hidden_rows=sum(s.num_hidden_rows for s in samples),
-            object_bytes=self.shard_objects(shard_index),
+            object_bytes=objects,
             checksums={name: array_sha256(data) for name, data in encoded.arrays.items()},
             fingerprint_sha256=fp.digest(), writer_id=writer_id,
             created_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"), extra=extra)
         try:
-            with self.fs.open(commit_path, "xb") as f:
-                f.write(record.to_json().encode())
+            with storage_call(f"{self.url}/{commit_key(shard_index)}", f"committing shard {shard_index} as"):
+                create_exclusive(self.fs, commit_path, record.to_json().encode())
         except FileExistsError as exc:
             raise ShardAlreadyCommittedError(
                 f"shard {shard_index} of {self.url} was committed by another writer while "
                 f"{writer_id!r} wrote it: two writers must never share a shard; fix the shard "
                 "assignment, then verify the shard (its data may be mixed)") from exc
         return record
-
 
     def _write_group(self, shard_index: int, encoded: EncodedShard) -> None:
         """Replace the shard group: remove leftovers of an uncommitted attempt, then write the group
@@ -278,14 +335,15 @@ def open_cache(root_url: str, fingerprint: Fingerprint | None = None, *, create:
             f"fingerprint has schema_version {fingerprint.schema_version}; this library writes "
             f"version {SCHEMA_VERSION}: build the fingerprint with the default schema_version")
     fp_path = f"{path}/{FINGERPRINT_OBJECT}"
-    text = _read_or_none(fs, fp_path)
+    with storage_call(f"{url}/{FINGERPRINT_OBJECT}", "reading"):
+        text = _read_or_none(fs, fp_path)
     if text is None:
         if fingerprint is None or not create:
             raise CacheNotFoundError(
                 f"no cache at {url} (no {FINGERPRINT_OBJECT}); check the URL or run the cache stage")
         try:
-            with fs.open(fp_path, "xb") as f:
-                f.write(fingerprint.to_json().encode())
+            with storage_call(f"{url}/{FINGERPRINT_OBJECT}", "creating"):
+                create_exclusive(fs, fp_path, fingerprint.to_json().encode())
         except FileExistsError:  # another writer created the root at the same moment
             text = _read_or_none(fs, fp_path)
     stored = fingerprint if text is None else _load_fingerprint(url, text)

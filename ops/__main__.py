@@ -19,6 +19,7 @@ from ops.common import UsageError
 from ops.report import to_json
 from ops.verify import VerifyInterrupted
 from pipeline.errors import PipelineError
+from storage import configure_storage
 
 try:
     from botocore.exceptions import NoCredentialsError, PartialCredentialsError
@@ -69,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("verify", "check every committed shard (resumable; JSON report with --json)")
     p.add_argument("--workers", type=int, default=4, help="shards verified at once (default 4)")
     p.add_argument("--cursor", help="local progress file (default ~/.cache/dspark/verify/<url hash>.jsonl)")
-    p.add_argument("--restart", action="store_true", help="ignore saved progress and start over")
+    p.add_argument("--restart", action="store_true",
+                   help="ignore saved progress and re-read every shard (a finished verify's cursor is kept: "
+                        "the next verify checks only shards committed or rewritten since)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = command("sample", "one sample: text with the supervised span marked, norms, target top tokens")
     p.add_argument("index", nargs="?", type=int, help="global sample index")
@@ -118,6 +121,7 @@ def _urls(a: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ops command; returns the exit code (argparse exits with 2 on bad arguments)."""
     args = build_parser().parse_args(argv)
+    configure_storage()  # the default retry policy (storage.RetryPolicy); FSSPEC_S3_* variables override it
     handler, render = HANDLERS[args.command]
     try:
         payload, code = handler(args)

@@ -1,4 +1,4 @@
-"""``estimate``: bytes and object count of a cache before the cache stage runs (CPU only).
+"""``estimate``: bytes, object count and storage requests of a cache before the cache stage runs (CPU only).
 
 Plans the shards and renders every input row exactly as the cache stage does
 (``pipeline.cache.plan`` and ``render_shard``: same chat template, truncation, skips), with no
@@ -15,23 +15,67 @@ from dataclasses import asdict
 from typing import Any
 
 from cache_schema import StorageConfig, estimate_cache_bytes, shard_overhead_bytes
+from cache_schema.writer import expected_objects
 from ops.report import human_bytes, key_values, table
 from ops.verify import array_specs
 
 ROOT_OBJECTS = 2  # fingerprint.json, and summary.json that the cache stage writes into the root
 
+# Storage requests besides the data itself, measured on S3 (moto behind a counting proxy) by
+# ``bench/bench_scale.py`` (README "Object storage: retries, faults and scale"), 20 shards of 1 and
+# of 8 four-token samples: a write_shard made 18 PUTs (its objects) + 35 HEAD + 21 LIST + 8 GET; a
+# training epoch 1 LIST + 17 HEAD + 17 GET per shard of one sample, 4 HEAD + 4 GET per further sample.
+WRITE_EXTRA_PER_SHARD = 64  # non-PUT requests of one CacheRoot.write_shard (zarr's existence checks, listings)
+OPEN_PER_SHARD = 27  # requests to open one shard for reading (object listing, zarr metadata, small arrays)
+INDEX_PER_ARRAY_READ = 1  # the HEAD (object size, to find the zarr shard index) before each slice read
+LIST_PAGE = 1000  # keys per S3 listing page
+PUT_PRICE_PER_1000 = 0.005  # USD, S3 Standard list price (us-east-1, 2026); GET/LIST below
+GET_PRICE_PER_1000 = 0.0004
+
+
+def sample_read_requests(tokens_per_sample: float, hidden_rows_per_sample: float, *, feature_width: int,
+                         hidden_size: int, feature_dtype: str, chunk_bytes: int) -> float:
+    """Expected requests to read one sample for training: per token array read (input_ids,
+    loss_mask, features [+ feature_scale], last_hidden) one HEAD plus a GET per inner chunk its rows
+    touch (a span of b bytes over chunks of c bytes touches 1 + b/c chunks on average). Calibrated
+    on one-chunk samples (``bench/bench_scale.py``); a sample spanning chunks may cost one more GET
+    per array (the zarr shard index)."""
+    feature_row = feature_width * (1 if feature_dtype == "fp8_e4m3" else 2)
+    spans = [4 * tokens_per_sample, tokens_per_sample, feature_row * tokens_per_sample,
+             2 * hidden_size * hidden_rows_per_sample]
+    if feature_dtype == "fp8_e4m3":
+        spans.append(4 * tokens_per_sample)
+    return sum(INDEX_PER_ARRAY_READ + 1 + b / chunk_bytes for b in spans)
+
+
+def request_costs(*, shards: int, samples: int, tokens: int, hidden_rows: int, objects: int, feature_width: int,
+                  hidden_size: int, feature_dtype: str, chunk_bytes: int, epochs: int, drafters: int,
+                  workers: int) -> dict[str, Any]:
+    """The request bill of a cache: PUTs and other requests to write it once, GETs per training
+    epoch (every shard opened once, every sample read once) and per full training run (each
+    drafter reads every epoch; each worker lists and reads the commit records once), and their
+    cost at S3 Standard list prices. Constants: see the module top."""
+    per_sample = sample_read_requests(tokens / max(samples, 1), hidden_rows / max(samples, 1),
+                                      feature_width=feature_width, hidden_size=hidden_size,
+                                      feature_dtype=feature_dtype, chunk_bytes=chunk_bytes)
+    epoch = shards * OPEN_PER_SHARD + samples * per_sample
+    index = 1 + math.ceil(shards / LIST_PAGE) + shards  # fingerprint, commit listing, records
+    run = drafters * (epochs * epoch + workers * index)
+    put, write_other = objects, shards * WRITE_EXTRA_PER_SHARD
+    return {"put_cache": put, "other_cache": write_other, "get_per_sample": round(per_sample, 2),
+            "get_per_epoch": round(epoch), "get_per_run": round(run), "epochs": epochs, "drafters": drafters,
+            "usd_cache": round((put * PUT_PRICE_PER_1000 + write_other * GET_PRICE_PER_1000) / 1000, 4),
+            "usd_run": round(run * GET_PRICE_PER_1000 / 1000, 4)}
+
 
 def shard_objects(num_samples: int, num_tokens: int, num_hidden_rows: int, *, feature_width: int,
                   hidden_size: int, feature_dtype: str, storage: StorageConfig) -> int:
     """Objects one shard will hold: group and array ``zarr.json`` files, one object per zarr
-    shard of each array (``StorageConfig.grid``; none for an empty array), and the commit record."""
+    shard of each array (``cache_schema.writer.expected_objects``), and the commit record."""
     specs = array_specs(num_samples, num_tokens, num_hidden_rows, feature_width=feature_width,
                         hidden_size=hidden_size, feature_dtype=feature_dtype)
-    count = 2  # group zarr.json + commit record
-    for dtype, shape in specs.values():
-        _, shard_shape = storage.grid(shape, dtype.itemsize)
-        count += 1 + (math.ceil(shape[0] / shard_shape[0]) if shape[0] else 0)
-    return count
+    return 1 + len(expected_objects({name: (shape, dtype.itemsize) for name, (dtype, shape) in specs.items()},
+                                    storage))
 
 
 def render_counts(item: tuple[int, Any], cfg, local_dir: str) -> dict[str, Any]:
@@ -90,18 +134,23 @@ def estimate(config: str, overrides: list[str], *, workers: int = 1,
         shard_objects(c["samples"], c["tokens"], c["hidden_rows"], feature_width=layers * hidden,
                       hidden_size=hidden, feature_dtype=dtype, storage=storage) for c in counts)
     budget = cfg.cache.storage_budget_bytes
+    requests = request_costs(shards=len(counts), samples=samples, tokens=tokens, hidden_rows=hidden_rows,
+                             objects=objects, feature_width=layers * hidden, hidden_size=hidden, feature_dtype=dtype,
+                             chunk_bytes=storage.chunk_bytes, epochs=cfg.train.epochs,
+                             drafters=len(cfg.train.drafters), workers=cfg.train.num_workers)
     payload = {"cache": cache_url(cfg), "target": cfg.target.path, "hidden_size": hidden,
                "target_layer_ids": list(cfg.target.target_layer_ids), "feature_dtype": dtype,
                "storage": asdict(storage), "shards": len(counts), "rows": sum(c["rows"] for c in counts),
                "samples": samples, "tokens": tokens, "supervised_tokens": sum(c["supervised"] for c in counts),
                "hidden_rows": hidden_rows, "skipped_rows": dict(sorted(skipped.skipped.items())),
                "bytes": total, "bytes_per_token": round(est.bytes_per_token, 2), "objects": objects,
-               "budget_bytes": budget, "over_budget": budget is not None and total > budget}
+               "requests": requests, "budget_bytes": budget, "over_budget": budget is not None and total > budget}
     return payload, int(payload["over_budget"])
 
 
 def render_estimate(p: dict[str, Any]) -> str:
     """Human view of :func:`estimate`."""
+    r = p["requests"]
     budget = "-" if p["budget_bytes"] is None else (
         f"{human_bytes(p['budget_bytes'])} ({'OVER' if p['over_budget'] else 'within'})")
     return "\n".join([key_values([
@@ -111,5 +160,9 @@ def render_estimate(p: dict[str, Any]) -> str:
         ("supervised tokens", p["supervised_tokens"]),
         ("bytes", f"{p['bytes']:,} ({human_bytes(p['bytes'])}), arrays and per-shard zarr metadata"),
         ("bytes/token", p["bytes_per_token"]),
-        ("objects", p["objects"]), ("budget", budget)]), "", "skipped rows:",
+        ("objects", p["objects"]), ("budget", budget),
+        ("requests: cache", f"{r['put_cache']:,} PUT + {r['other_cache']:,} other (${r['usd_cache']:,.2f})"),
+        ("requests: train", f"{r['get_per_epoch']:,} reads (GET/HEAD/LIST) per epoch ({r['get_per_sample']} "
+                            f"per sample); {r['get_per_run']:,} per run of {r['epochs']} epochs x {r['drafters']} "
+                            f"drafters (${r['usd_run']:,.2f} at the GET price)")]), "", "skipped rows:",
         table([{"reason": k, "rows": v} for k, v in p["skipped_rows"].items()], ["reason", "rows"])])

@@ -15,7 +15,9 @@ finished shard with its problems, sample ids and provenance (so uniqueness is st
 across shards without re-reading finished ones) and the SHA-256 of its commit record (a shard
 rewritten since is verified again). Each line is appended and fsynced when its shard finishes;
 on load a torn last line is dropped and the file is rewritten whole (temp file + rename).
-A verify that completes deletes its cursor, so the next one starts fresh.
+A verify that completes keeps its cursor: the next one verifies only shards committed or rewritten
+since (reading just the commit records of the others), so a growing cache is checked
+incrementally; ``--restart`` re-reads every shard (e.g. to find objects damaged after their check).
 """
 from __future__ import annotations
 
@@ -193,9 +195,9 @@ def verify_shard(root: CacheRoot, shard_index: int) -> dict[str, Any]:
     result: dict[str, Any] = {"shard": shard_index, "record_sha256": None, "problems": [], "ids": [],
                               "provenance": [], "samples": 0, "tokens": 0, "bytes": 0}
     try:
-        result["record_sha256"] = hashlib.sha256(
-            root.fs.cat_file(f"{root.path}/{commit_key(shard_index)}")).hexdigest()
-        record = root.record(shard_index)
+        text = root.fs.cat_file(f"{root.path}/{commit_key(shard_index)}")
+        result["record_sha256"] = hashlib.sha256(text).hexdigest()
+        record = root.parse_record(shard_index, text)
     except (CorruptRecordError, ShardNotCommittedError, FileNotFoundError) as exc:
         result["problems"].append(problem(shard_index, "record", str(exc)))
         return result
@@ -354,7 +356,6 @@ def verify(url: str, *, workers: int = 4, cursor: str | None = None, restart: bo
             raise VerifyInterrupted(f"interrupted after {len(done):,} of {len(shards):,} shards; rerun the "
                                     f"same command to continue (progress in {path}), or pass --restart") from None
     problems = [p for i in sorted(done) for p in done[i]["problems"]] + duplicate_problems(done)
-    path.unlink(missing_ok=True)
     bad = sorted({p["shard"] for p in problems})
     return {"url": root.url, "shards": len(shards), "verified_now": len(pending), "resumed": resumed,
             "samples": sum(e["samples"] for e in done.values()), "bytes_read_now": nbytes,

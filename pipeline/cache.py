@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from cache_schema import (CacheSample, Fingerprint, StorageConfig, estimate_cache_bytes, open_cache,
-                          shard_overhead_bytes, tensor_sha256)
+from cache_schema import (CacheSample, Fingerprint, StorageConfig, StorageUnavailableError, estimate_cache_bytes,
+                          open_cache, shard_overhead_bytes, tensor_sha256)
+from cache_schema.errors import storage_call
 from cache_schema.layout import shard_name
 from pipeline.chats import BadRow, RowCounts, RowError, ShardSpan, iter_chats, plan_shards
 from pipeline.config import RunConfig
@@ -146,8 +147,10 @@ class ShardPrefillWriter:
         import torch
 
         from pipeline.prefill import TargetPrefill
+        from storage import configure_storage
         from pipeline.target import load_target
 
+        configure_storage(cfg.storage)
         cuda = cfg.cache.gpus_per_worker > 0 and torch.cuda.is_available()
         model, _, _ = load_target(cfg.target, "cuda" if cuda else "cpu")
         self.prefill = TargetPrefill(model, cfg.target.target_layer_ids)
@@ -176,16 +179,22 @@ class ShardPrefillWriter:
                                sample_id=f"{source}-{int(r)}", source=source, row=int(r), content_hash=h)
                    for x, m, o, r, h in zip(ids, masks, outs, work["rows"], hashes)]
         bad = json.loads(work["bad"])
-        if bad:  # quarantine first: the commit record must never precede anything of the shard
-            fs, path = filesystem(join(self.root.url, "quarantine", f"{shard_name(shard)}.jsonl"))
-            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            fs.pipe_file(path, "".join(json.dumps(b) + "\n" for b in bad).encode())
         extra = {"skipped": json.loads(work["skipped"]), "source": source,
                  "rows": [int(work["row_start"]), int(work["row_end"])]}
-        record = self.root.write_shard(shard, samples, writer_id=self.writer_id, extra=extra)
+        try:
+            if bad:  # quarantine first: the commit record must never precede anything of the shard
+                url = join(self.root.url, "quarantine", f"{shard_name(shard)}.jsonl")
+                with storage_call(url, f"writing the quarantine of shard {shard} to"):
+                    fs, path = filesystem(url)
+                    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+                    fs.pipe_file(path, "".join(json.dumps(b) + "\n" for b in bad).encode())
+            record = self.root.write_shard(shard, samples, writer_id=self.writer_id, extra=extra)
+        except StorageUnavailableError as exc:  # reported by the driver as one line, not a worker traceback
+            return {"shard": shard, "num_samples": 0, "num_tokens": 0, "bytes": 0, "prefill_seconds": prefill_s,
+                    "busy_seconds": time.perf_counter() - t0, "error": str(exc)}
         return {"shard": shard, "num_samples": record.num_samples, "num_tokens": record.num_tokens,
                 "bytes": record.total_bytes, "prefill_seconds": prefill_s,
-                "busy_seconds": time.perf_counter() - t0}
+                "busy_seconds": time.perf_counter() - t0, "error": ""}
 
 
 def plan(cfg: RunConfig) -> list[tuple[int, ShardSpan]]:
@@ -220,6 +229,20 @@ def check_plan(url: str, shards: list[tuple[int, ShardSpan]], committed: dict[in
                 "was written; restore them, or write to a new run_dir")
 
 
+def resume_plan(cfg: RunConfig, root) -> tuple[list[tuple[int, ShardSpan]], set[int], list[tuple[int, ShardSpan]]]:
+    """(planned shards, committed shard indices, shards still to write) of a run over ``root`` (a
+    CacheRoot): one listing of the commit records and one batched read of them.
+
+    Raises:
+        ShardPlanMismatchError: see :func:`check_plan`.
+    """
+    shards = plan(cfg)
+    records = root.committed_records()
+    check_plan(root.url, shards, {i: r.extra for i, r in records.items()})
+    done = set(records)
+    return shards, done, [(i, s) for i, s in shards if i not in done]
+
+
 def storage_config(cfg: RunConfig) -> StorageConfig:
     return StorageConfig(zstd_level=3 if cfg.cache.compression == "zstd" else None)
 
@@ -235,6 +258,8 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
     Raises:
         FingerprintMismatchError: the output holds a cache of another target/config.
         StorageBudgetError: the estimate exceeds ``cache.storage_budget_bytes`` (before prefill).
+        StorageUnavailableError: shards whose storage retries ran out (``storage:``), after every
+            other shard was written; one line naming the first one's URL and its last S3 error.
     """
     import ray
     from tqdm import tqdm
@@ -251,11 +276,7 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
     root_url = cache_url(cfg)
     storage = storage_config(cfg)
     root = open_cache(root_url, fp, create=True, storage=storage)
-    shards = plan(cfg)
-    records = root.committed_records()
-    check_plan(root_url, shards, {i: r.extra for i, r in records.items()})
-    done = set(records)
-    pending = [(i, s) for i, s in shards if i not in done]
+    shards, done, pending = resume_plan(cfg, root)
     log.info("cache: %d shards planned, %d already committed, %d to write", len(shards), len(done), len(pending))
     run = {"shards_planned": len(shards), "shards_already_committed": len(done & {i for i, _ in shards}),
            "shards_written": 0, "estimate_bytes": 0, "prefill_tokens_per_s": None,
@@ -286,15 +307,23 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
         writers = rendered.map(ShardPrefillWriter, fn_constructor_args=(cfg, root_url, fp, storage),
                                compute=ray.data.ActorPoolStrategy(size=cfg.cache.num_workers),
                                num_gpus=cfg.cache.gpus_per_worker or None, num_cpus=1)
-        t0, n_tok, busy, written = time.perf_counter(), 0, 0.0, 0
+        t0, n_tok, busy, written, failed = time.perf_counter(), 0, 0.0, 0, []
         with tqdm(total=tokens, unit="tok", desc="cache", unit_scale=True) as bar:
             for meta in writers.iter_rows():
+                if meta["error"]:
+                    failed.append(meta)
+                    continue
                 run["shards_written"] += 1
                 n_tok += meta["num_tokens"]
                 busy += meta["busy_seconds"]
                 bar.update(meta["num_tokens"])
                 written += meta["bytes"]
                 bar.set_postfix(shards=run["shards_written"], MiB=f"{written / 2**20:.1f}")
+        if failed:
+            failed.sort(key=lambda m: m["shard"])
+            raise StorageUnavailableError(
+                f"{len(failed)} of {len(pending)} shards were not written ({run['shards_written']} were, and are "
+                f"committed): {failed[0]['error']}")
         run["prefill_tokens_per_s"] = round(n_tok / max(time.perf_counter() - t0, 1e-9), 1)
         run["steady_tokens_per_s"] = round(n_tok * cfg.cache.num_workers / max(busy, 1e-9), 1)
     totals = cache_totals(root_url)

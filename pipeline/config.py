@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pipeline.errors import ConfigError
+from storage import RetryPolicy
 
 
 class Stage(str, Enum):
@@ -217,6 +218,7 @@ class RunConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    storage: RetryPolicy = field(default_factory=RetryPolicy)  # object-storage retries (storage.RetryPolicy)
 
 
 def _check(ok: bool, key: str, msg: str) -> None:
@@ -269,6 +271,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.train.validation_samples >= 1, "train.validation_samples", "must be >= 1")
     _check(cfg.evaluate.block_samples >= 0, "evaluate.block_samples", "must be >= 0 (0 = no block-level evaluation)")
     _check(cfg.evaluate.block_anchors >= 1, "evaluate.block_anchors", "must be >= 1")
+    _check(cfg.storage.max_attempts >= 1, "storage.max_attempts", "must be >= 1 (1 = no retries)")
+    _check(cfg.storage.body_attempts >= 1, "storage.body_attempts", "must be >= 1 (1 = no re-reads)")
+    _check(min(cfg.storage.connect_timeout_s, cfg.storage.read_timeout_s) > 0, "storage.read_timeout_s",
+           "storage.connect_timeout_s and storage.read_timeout_s must be > 0 seconds")
     _check(cfg.calibrate.bins >= 2, "calibrate.bins", "must be >= 2")
     _check(0 < cfg.calibrate.grid_step < 1, "calibrate.grid_step", "must be in (0, 1)")
     _check(all(t >= 0 for t in cfg.evaluate.temperatures), "evaluate.temperatures", "must be >= 0")

@@ -35,6 +35,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+from cache_schema.errors import storage_call
+from cache_schema.writer import create_exclusive
 from pipeline.chats import REASONS, BadRow, Chat, RowError, ShardSpan, iter_chats, plan_shards
 from pipeline.config import RunConfig
 from pipeline.engines import GenerationEngine, SamplingSpec
@@ -302,16 +304,18 @@ def write_shard(out_url: str, shard: int, span: ShardSpan, result: ShardResult, 
     """
     fs, root = filesystem(out_url)
     data = _jsonl(result.rows)
-    for sub, payload in (("shards", data), ("errors", _jsonl(result.errors))):
-        fs.makedirs(f"{root}/{sub}", exist_ok=True)
-        fs.pipe_file(f"{root}/{sub}/{_name(shard)}.jsonl", payload)
+    with storage_call(join(out_url, "shards", f"{_name(shard)}.jsonl"), f"writing generate shard {shard} to"):
+        for sub, payload in (("shards", data), ("errors", _jsonl(result.errors))):
+            fs.makedirs(f"{root}/{sub}", exist_ok=True)
+            fs.pipe_file(f"{root}/{sub}/{_name(shard)}.jsonl", payload)
     record = {"shard": shard, "file": f"shards/{_name(shard)}.jsonl", "bytes": len(data),
               "sha256": hashlib.sha256(data).hexdigest(), **asdict(span), "stats": result.stats,
               "settings": settings_, "writer": writer_id}
-    fs.makedirs(f"{root}/commits", exist_ok=True)
     try:
-        with fs.open(f"{root}/commits/{_name(shard)}.json", "xb") as f:
-            f.write(json.dumps(record, indent=1, sort_keys=True).encode())
+        with storage_call(join(out_url, "commits", f"{_name(shard)}.json"), f"committing generate shard {shard} as"):
+            fs.makedirs(f"{root}/commits", exist_ok=True)
+            create_exclusive(fs, f"{root}/commits/{_name(shard)}.json",
+                             json.dumps(record, indent=1, sort_keys=True).encode())
     except FileExistsError:
         raise ShardCommitConflictError(
             f"{out_url}: shard {shard} was committed by another writer while {writer_id!r} wrote it: two "
@@ -395,7 +399,9 @@ class ShardGenerator:
 
     def __init__(self, cfg: RunConfig, out_url: str, settings_: dict[str, Any], use_gpu: bool):
         from pipeline.engines import make_engine
+        from storage import configure_storage
 
+        configure_storage(cfg.storage)
         self.cfg, self.out_url, self.settings = cfg, out_url, settings_
         self.engine = make_engine(cfg.generate, cfg.target, cfg.data.max_length + cfg.generate.max_new_tokens,
                                   "cuda" if use_gpu else "cpu")

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 from cache_schema import CacheError
 from pipeline.config import STAGE_ORDER, RunConfig, Stage, to_dict, to_run_config
 from pipeline.errors import ConfigError, PipelineError
-from storage import join, write_json
+from storage import configure_storage, join, write_json
 from pipeline.target import resolve_target_path
 from training.checkpoint import CheckpointError
 from training.target_weights import TargetWeightsError
@@ -126,6 +126,7 @@ def run_stages(cfg: RunConfig) -> dict[str, dict[str, Any]]:
         TargetNotFoundError: the target is not on this machine (checked before any stage starts).
         ConfigError: target layer ids the target does not have (:func:`check_target_layers`).
     """
+    configure_storage(cfg.storage)  # every S3 client of this process from here on (workers: their own call)
     check_target_layers(cfg, resolve_target_path(cfg.target.path))  # fail fast, before any Ray or model start-up
     if cfg.stage == Stage.all:
         names = [n for n in STAGE_ORDER if n in STAGES and (n != "generate" or cfg.generate.enabled)]

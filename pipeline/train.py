@@ -31,7 +31,8 @@ def train_job(cfg: RunConfig, name: str, fingerprint_json: str, target_dir: str)
         epochs=t.epochs, max_steps=t.max_steps, global_batch_samples=t.global_batch_samples,
         micro_batch_samples=t.micro_batch_samples, heldout_shards=t.heldout_shards,
         validation_shards=t.validation_shards, validation_samples=t.validation_samples,
-        validate_every_steps=t.validate_every_steps, checkpoint_every_steps=t.checkpoint_every_steps)
+        validate_every_steps=t.validate_every_steps, checkpoint_every_steps=t.checkpoint_every_steps,
+        storage=cfg.storage)
 
 
 def expected_fingerprint(cfg: RunConfig, target_dir: str):

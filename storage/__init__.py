@@ -4,13 +4,77 @@ The bottom layer of the product: every package may import it, it imports none of
 
 Credentials and endpoints come from each backend's standard environment (for S3: AWS_* variables,
 including AWS_ENDPOINT_URL); they are never taken from configs, logged or written to summaries.
+
+Retry policy (``storage:`` in the run config, :class:`RetryPolicy`), set once per
+process by :func:`configure_storage` as fsspec's default options for ``s3``, so every S3 client made
+afterwards (stages, Ray workers, ops tools, zarr stores) gets it:
+
+- request level (botocore "standard" mode): up to ``max_attempts`` tries of each HTTP request, with
+  exponential backoff and full jitter, wait = U(0, 1) * min(2^(k-1), 20) s before retry k. Retried:
+  throttling (503 SlowDown and the other throttling codes), transient 500/502/503/504 and
+  RequestTimeout, connection errors (refused, reset) and read/connect timeouts; never 4xx answers.
+  Each client also holds botocore's retry quota (500 tokens, 5 per retry, 10 per timeout, refilled by
+  successes), which stops retrying a store that fails most requests.
+- call level (s3fs): up to ``body_attempts`` tries of a call whose response body broke off mid-read
+  (connection reset, truncated body) or whose request retries ran out on SlowDown; waits
+  min(1.7^i * 0.1, 15) s.
+- budget: one call makes at most ``max_attempts * body_attempts`` requests; each attempt waits at
+  most ``connect_timeout_s`` + ``read_timeout_s``; :func:`retry_budget_s` bounds the backoff sleeps.
+
+When the budget is spent the cache library raises StorageUnavailableError naming the URL and the last
+S3 error (``cache_schema.errors.storage_call``); the CLIs print it as one ``error:`` line.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import fsspec.config
+
+_USER_S3_OPTIONS = dict(fsspec.config.conf.get("s3", {}))  # FSSPEC_S3* variables and fsspec config files win
+
+
+@dataclass
+class RetryPolicy:
+    """The retry policy of every object-storage (S3) client of the run: stages, Ray workers, ops
+    tools (the run config's ``storage:`` section). See the module docstring for what is retried and
+    the resulting budget."""
+
+    max_attempts: int = 8  # tries of one S3 request, the first included (botocore standard mode)
+    body_attempts: int = 3  # s3fs: tries of a call whose response body broke off mid-read
+    connect_timeout_s: float = 10.0  # per attempt
+    read_timeout_s: float = 60.0  # per attempt: a response silent this long is retried
+
+
+def s3_options(policy: RetryPolicy) -> dict[str, Any]:
+    """s3fs constructor options of a :class:`RetryPolicy` (the botocore part;
+    ``body_attempts`` is s3fs's class attribute ``retries``, set by :func:`configure_storage`)."""
+    return {"config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": int(policy.max_attempts)},
+                              "connect_timeout": float(policy.connect_timeout_s),
+                              "read_timeout": float(policy.read_timeout_s)}}
+
+
+def configure_storage(policy: RetryPolicy | None = None) -> None:
+    """Make ``policy`` (default: the config's defaults) the options of every S3 client this process
+    creates from now on. Idempotent; call it at each process's entry (driver, Ray actor, ops)."""
+    policy = RetryPolicy() if policy is None else policy
+    fsspec.config.conf["s3"] = {**s3_options(policy), **_USER_S3_OPTIONS}
+    try:
+        import s3fs
+    except ImportError:  # no S3 backend installed: nothing else to configure
+        return
+    s3fs.S3FileSystem.retries = int(policy.body_attempts)
+
+
+def retry_budget_s(policy: RetryPolicy) -> float:
+    """Upper bound in seconds of the backoff sleeps of one call under ``policy`` (timeouts excluded):
+    the request-level jitter caps summed over ``max_attempts - 1`` retries, for each of
+    ``body_attempts`` tries, plus the call-level waits."""
+    request = sum(min(2.0 ** (k - 1), 20.0) for k in range(1, policy.max_attempts))
+    call = sum(min(1.7 ** i * 0.1, 15.0) for i in range(policy.body_attempts))
+    return policy.body_attempts * request + call
 
 
 def join(url: str, *parts: str) -> str:

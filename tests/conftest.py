@@ -56,16 +56,21 @@ def shared_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """A moto S3 server on 127.0.0.1; yields ``{"endpoint": url, "bucket": name}``.
+    """A moto S3 server on 127.0.0.1 behind a fault-injecting proxy (``tests/faultproxy.py``, no
+    faults unless a test sets them); yields ``{"endpoint": proxy url, "bucket": name, "proxy":
+    FaultProxy}``.
 
-    Sets AWS_ENDPOINT_URL / AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION for the
-    session so that s3fs, boto3 and child processes find it with no extra options.
+    Sets AWS_ENDPOINT_URL (the proxy) / AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION
+    for the session so that s3fs, boto3, Ray workers and child processes find it with no extra options.
     """
+    from faultproxy import FaultProxy
+
     port = free_port()
     exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    endpoint = f"http://127.0.0.1:{port}"
+    proxy = FaultProxy(f"http://127.0.0.1:{port}")
+    endpoint = proxy.endpoint
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing-secret", "AWS_DEFAULT_REGION": "us-east-1"}
     old = {k: os.environ.get(k) for k in env}
@@ -84,8 +89,9 @@ def s3_server():
 
         bucket = "dspark-test"
         boto3.client("s3").create_bucket(Bucket=bucket)
-        yield {"endpoint": endpoint, "bucket": bucket}
+        yield {"endpoint": endpoint, "bucket": bucket, "proxy": proxy}
     finally:
+        proxy.close()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=10)
         for k, v in old.items():

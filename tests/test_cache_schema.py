@@ -352,3 +352,21 @@ def test_tensor_sha256_hashes_raw_bytes():
     assert tensor_sha256(flipped.view(torch.bfloat16)) != tensor_sha256(x)
     y = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     assert tensor_sha256(y.t()) == hashlib.sha256(y.t().contiguous().numpy().tobytes()).hexdigest()
+
+
+def test_a_shard_whose_objects_are_not_all_listed_back_is_never_committed(tmp_path, monkeypatch):
+    from cache_schema import StorageUnavailableError
+    from cache_schema.writer import CacheRoot
+
+    root = open_cache(str(tmp_path / "c"), make_fp(), storage=SMALL)
+    listed = CacheRoot.shard_objects
+
+    def lose_one(self, i):  # a store that acknowledged a PUT but does not hold the object
+        return {k: v for k, v in listed(self, i).items() if k != "features/c/1/0"}
+
+    monkeypatch.setattr(CacheRoot, "shard_objects", lose_one)
+    with pytest.raises(StorageUnavailableError, match="1 written objects are not listed .first features/c/1/0"):
+        root.write_shard(0, [make_sample(0, 40)], writer_id="w")
+    assert not root.is_committed(0)
+    monkeypatch.undo()
+    assert root.write_shard(0, [make_sample(0, 40)], writer_id="w").num_samples == 1  # the rerun commits it

@@ -174,13 +174,16 @@ def test_cursor_keeps_whole_lines_only_and_only_for_its_cache(tmp_path):
     assert load_cursor(tmp_path / "absent.jsonl", header) == {}
 
 
-def test_verify_clean_cache_passes_and_deletes_its_cursor(url, tmp_path, capsys):
-    build(url, {0: [make_sample(0, 10), make_sample(1, 7)], 1: [make_sample(4, 12)]})
+def test_verify_clean_cache_passes_and_keeps_its_cursor_for_the_next_shards(url, tmp_path, capsys):
+    root = build(url, {0: [make_sample(0, 10), make_sample(1, 7)], 1: [make_sample(4, 12)]})
     cursor = tmp_path / "cursor.jsonl"
     code, p = run(capsys, "verify", url, "--cursor", cursor, "--workers", "2")
     assert code == 0 and p["ok"] and p["problems"] == []
     assert (p["shards"], p["verified_now"], p["resumed"], p["samples"]) == (2, 2, 0, 3)
-    assert p["bytes_read_now"] >= 29 * (4 + 1 + 2 * len(LAYERS) * H) and not cursor.exists()
+    assert p["bytes_read_now"] >= 29 * (4 + 1 + 2 * len(LAYERS) * H) and cursor.exists()
+    root.write_shard(2, [make_sample(5, 9)], writer_id="w")  # a growing cache: only the new shard is read
+    code, p = run(capsys, "verify", url, "--cursor", cursor)
+    assert code == 0 and (p["shards"], p["verified_now"], p["resumed"], p["samples"]) == (3, 1, 2, 4)
 
 
 def test_verify_reports_a_changed_array_and_nan_with_the_sample(url, tmp_path, capsys):
@@ -330,6 +333,9 @@ def test_estimate_renders_the_input_cases_like_the_cache_stage(tiny_target_dir, 
     # group zarr.json, a commit record and 8 arrays of (zarr.json + one object); 2 shards whose rows were
     # all skipped (rows 4-11 of openai.jsonl) hold data objects only for offsets and sup_offsets
     assert p["objects"] == 2 + 6 + 6 * (2 + 8 * 2) + 2 * (2 + 8 + 2)
+    r = p["requests"]  # the request bill: every object one PUT; reads per epoch, times epochs and drafters
+    assert r["put_cache"] == p["objects"] and (r["epochs"], r["drafters"]) == (5, 2)
+    assert r["get_per_run"] > 2 * 5 * r["get_per_epoch"] > 0
     assert code == 1 and p["over_budget"] and p["cache"] == "/tmp/x/cache"
 
 
@@ -361,3 +367,24 @@ def test_corrupt_shard_metadata_is_a_damaged_shard_not_a_traceback(url, capsys):
     assert "shard 1: its zarr metadata is unreadable (JSONDecodeError" in err and "commits/s000001.json" in err
     code, p = run(capsys, "verify", url)
     assert code == 1 and {q["shard"] for q in p["problems"]} == {1}
+
+
+def test_request_cost_model_counts_objects_index_and_chunk_reads():
+    from ops.estimate import (INDEX_PER_ARRAY_READ, LIST_PAGE, OPEN_PER_SHARD, WRITE_EXTRA_PER_SHARD, request_costs,
+                              sample_read_requests)
+
+    # a 2 MiB-chunk bf16 sample of 4096 tokens, W = 5 * 2560: features span 4096 * 25,600 bytes = 50 chunks
+    per = sample_read_requests(4096, 4096, feature_width=5 * 2560, hidden_size=2560, feature_dtype="bf16",
+                               chunk_bytes=2**21)
+    spans = [4 * 4096, 4096, 4096 * 25600, 4096 * 5120]
+    assert per == pytest.approx(sum(INDEX_PER_ARRAY_READ + 1 + b / 2**21 for b in spans))
+    assert 4 * (INDEX_PER_ARRAY_READ + 1) + 60 < per < 4 * (INDEX_PER_ARRAY_READ + 1) + 61
+    fp8 = sample_read_requests(10, 10, feature_width=8, hidden_size=8, feature_dtype="fp8_e4m3", chunk_bytes=2**21)
+    assert fp8 == pytest.approx(5 * (INDEX_PER_ARRAY_READ + 1), rel=1e-3)  # one more array: feature_scale
+    c = request_costs(shards=2500, samples=10000, tokens=40000, hidden_rows=30000, objects=50000, feature_width=8,
+                      hidden_size=8, feature_dtype="bf16", chunk_bytes=2**21, epochs=3, drafters=2, workers=4)
+    epoch = 2500 * OPEN_PER_SHARD + 10000 * c["get_per_sample"]
+    assert c["put_cache"] == 50000 and c["other_cache"] == 2500 * WRITE_EXTRA_PER_SHARD
+    assert c["get_per_epoch"] == pytest.approx(epoch, abs=30)
+    assert c["get_per_run"] == pytest.approx(2 * (3 * epoch + 4 * (1 + 2500 // LIST_PAGE + 1 + 2500)), abs=30)
+    assert c["usd_cache"] == pytest.approx((50000 * 0.005 + 2500 * WRITE_EXTRA_PER_SHARD * 0.0004) / 1000, abs=1e-4)

@@ -82,8 +82,10 @@ def test_interrupted_verify_resumes_without_rereading_finished_shards(s3_url, tm
     monkeypatch.setattr(ops.verify, "verify_shard", lambda r, i: calls.append(i) or real(r, i))
     code, p = run(capsys, "verify", s3_url, "--cursor", cursor, "--workers", "1")
     assert code == 0 and sorted(calls) == [2, 3, 4] and (p["resumed"], p["verified_now"], p["samples"]) == (2, 3, 5)
-    assert not cursor.exists()  # a completed verify starts fresh next time, and finds the damage
+    calls.clear()  # a completed verify keeps its cursor: the next one reads no finished shard again
     code, p = run(capsys, "verify", s3_url, "--cursor", cursor)
+    assert code == 0 and calls == [] and (p["resumed"], p["verified_now"]) == (5, 0)
+    code, p = run(capsys, "verify", s3_url, "--cursor", cursor, "--restart")  # re-reads all: finds the damage
     assert code == 1 and _found(p["problems"]) == [(0, "missing_object", -1)]
     # --restart ignores saved progress
     ops.verify.write_cursor(cursor, {"cursor_version": 1, "url": root.url, "fingerprint_sha256": make_fp().digest()},

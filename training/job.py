@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from storage import RetryPolicy
 from training.drafter import DrafterConfig
 from training.losses import LossConfig
 
@@ -30,6 +31,7 @@ class TrainJob:
         heldout_shards, validation_shards: shards kept out of training (:func:`training.data.split_shards`).
         validation_samples, validate_every_steps: the held-out learning curve.
         checkpoint_every_steps: committed checkpoint cadence (and the last step).
+        storage: the object-storage retry policy of the worker's S3 clients.
     """
 
     drafter: str
@@ -57,6 +59,7 @@ class TrainJob:
     validation_samples: int
     validate_every_steps: int
     checkpoint_every_steps: int
+    storage: RetryPolicy
 
     def accumulation(self, world: int) -> int:
         """Micro-steps per optimizer step on each of ``world`` ranks."""

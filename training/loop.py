@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from storage import filesystem, join
+from storage import configure_storage, filesystem, join
 from training.job import TrainJob
 from training.record import check_record, check_thinking_mode, model_record
 
@@ -173,6 +173,7 @@ def train_worker(config: dict[str, Any]) -> None:
     from training.engine import make_engine
     from training.validation import curve_summary, plot_curves, validate, validation_batches
 
+    configure_storage(job.storage)  # every S3 client of this worker process
     rank, world = _rank_world()
     torch.manual_seed(job.seed)
     reader = CacheReader(job.cache_url, Fingerprint.from_json(job.fingerprint))
