@@ -8,7 +8,8 @@ Two formats (``export.format``), same tensors, same drafter:
   or ``["DFlashDraftModel"]`` (no sequential head), ``model_type: "qwen3"``, ``num_hidden_layers`` =
   draft layers, and no ``quantization_config`` / ``layer_types``. DFlash keys: ``dflash_config:
   {mask_token_id, target_layer_ids, sample_from_anchor}``. DSpark keys, top level (vLLM) and mirrored
-  in ``dflash_config`` (SpecForge reads them there, with ``projector_type: "dspark"``):
+  in ``dflash_config`` (SpecForge reads them there, with ``projector_type: "dspark"`` and its
+  ``attention_mode``, ``gqa`` or ``mha``):
   ``target_layer_ids``, ``mask_token_id``, ``markov_rank``, ``enable_confidence_head``,
   ``confidence_head_with_markov``, ``sample_from_anchor``; top level only: ``confidence_temperatures``
   (STS, one per position).
@@ -158,7 +159,9 @@ def native_config(model, target_config: Mapping[str, Any], temperatures: Sequenc
     has_conf = c.confidence_head
     block.update(markov_rank=int(c.markov_rank), enable_confidence_head=has_conf,
                  confidence_head_with_markov=has_conf, block_size=c.slots)
-    cfg.update(block, projector_type="dspark", dflash_config=block)
+    cfg.update(block)
+    gqa = int(cfg["num_key_value_heads"]) < int(cfg["num_attention_heads"])
+    cfg["dflash_config"] = dict(block, projector_type="dspark", attention_mode="gqa" if gqa else "mha")
     cfg.update(_confidence_keys(model, temperatures, folded))
     return cfg
 
