@@ -61,11 +61,13 @@ def main(out: Path) -> None:
                     same = all(torch.equal(state[k], v) for k, v in tensors.items() if k in state)
                     outcome, ok = f"auto-converted to {type(model).__name__}, tensors equal: {same}", same
             except Exception as exc:   # noqa: BLE001 - the refusal is the finding
-                outcome, ok = f"refused: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", False
+                lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+                why = next((x for x in lines if "size mismatch" in x), lines[0])
+                outcome, ok = f"converter refuses it: {type(exc).__name__}: {why[:240]}", False
             print(f"  native/{name}: SpeculatorModel.from_pretrained(verifier=target) {outcome}")
             row({"tool": "speculators", "version": version, "format": "native (auto-convert)",
                                         "drafter": name, "loads": ok, "lossless": None, "as_trained": ok,
-                                        "ignores": "n/a" if ok else outcome})
+                                        "ignores": "none" if ok else outcome})
             continue
         config = SpeculatorModelConfig.from_pretrained(path)
         want = "DSparkSpeculatorConfig" if name.startswith("dspark") else "DFlashSpeculatorConfig"

@@ -18,7 +18,9 @@ drafter it came from. References in ``OUT/reference.safetensors``, for the tools
 - ``zlab.<drafter>.acceptance.i``: tokens produced per verification step when the product's own
   drafter runs z-lab ``dflash_generate``'s greedy schedule (the first block anchored at the first
   generated token; after ``m`` accepted drafts the next anchor is the bonus token; the last block
-  shrinks to the tokens still to produce) over the same prompts and ``NEW_TOKENS`` tokens.
+  shrinks to the tokens still to produce) over the same prompts and ``NEW_TOKENS`` tokens;
+- ``vllm.greedy.i`` / ``vllm.<drafter>.acceptance``: the longer continuations and the product's replay
+  of vLLM's schedule (``tests/vllm/make_exports.py``: drafts, then accepted tokens per position).
 
 ``OUT/manifest.json`` lists the exports (format, drafter, path, num_speculative_tokens, block_size)
 and the target. Exits non-zero on a failed round trip.
@@ -97,7 +99,8 @@ def main(vllm_out: Path, out: Path) -> None:
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from make_exports import build_spec, run_config
+    from make_exports import NEW_TOKENS as VLLM_TOKENS
+    from make_exports import build_spec, dflash_acceptance, run_config
     from pipeline.embedded import ensure_embedded
     from pipeline.export import FORMATS, export_drafter, load_export
     from pipeline.prefill import LayerTap
@@ -149,13 +152,17 @@ def main(vllm_out: Path, out: Path) -> None:
         with torch.no_grad():
             tap.base(input_ids=seq[None])
         feats = tap.features()[0]
-        refs[f"prompt.{i}"], refs[f"greedy.{i}"] = prompt, cont[:NEW_TOKENS]
+        refs[f"prompt.{i}"], refs[f"greedy.{i}"], refs[f"vllm.greedy.{i}"] = prompt, cont[:NEW_TOKENS], cont
         for name in ("dflash", "dflash-reduced"):
             refs[f"zlab.{name}.acceptance.{i}"] = torch.tensor(
                 zlab_replay(drafters[name], feats, seq, len(prompt), NEW_TOKENS))
+    for name in ("dflash", "dflash-reduced"):   # vLLM's schedule (tests/vllm/make_exports.py), VLLM_TOKENS tokens
+        refs[f"vllm.{name}.acceptance"] = torch.tensor(dflash_acceptance(
+            target, drafters[name], cfg.target.target_layer_ids, [ref[f"prompt.{i}"] for i in range(num_prompts)],
+            [ref[f"greedy.{i}"] for i in range(num_prompts)]))
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in refs.items()}, str(out / "reference.safetensors"))
-    manifest = {"target": target_dir, "num_prompts": num_prompts, "new_tokens": NEW_TOKENS,
+    manifest = {"target": target_dir, "num_prompts": num_prompts, "new_tokens": NEW_TOKENS, "vllm_tokens": VLLM_TOKENS,
                 "reduced_vocab_size": REDUCED, "exports": exports}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     print(f"{len(exports)} exports and references written under {out}")
