@@ -78,17 +78,19 @@ $(SPECFORGE_VENV)/.installed-stamp:
 	touch $@
 
 # The exports of the test-vllm drafters (trained by tests/vllm/make_exports.py, reused when present) in
-# both formats, full and reduced vocabulary, loaded by each tool; prints the README's compatibility table.
+# both formats, full and reduced vocabulary, loaded by each tool (and vLLM serving the speculators
+# format); prints the README's compatibility table.
 COMPAT_OUT ?= runs/compat
 runs/vllm-check/manifest.json:
 	$(PY) tests/vllm/make_exports.py runs/vllm-check
 
 test-compat: install $(SPECULATORS_VENV)/.installed-stamp $(DFLASH_VENV)/.installed-stamp \
-		$(SPECFORGE_VENV)/.installed-stamp runs/vllm-check/manifest.json
+		$(SPECFORGE_VENV)/.installed-stamp $(VLLM_VENV)/.installed-stamp runs/vllm-check/manifest.json
 	$(PY) tests/compat/make_exports.py runs/vllm-check $(COMPAT_OUT)
 	$(SPECULATORS_VENV)/bin/python tests/compat/check_speculators.py $(COMPAT_OUT)
 	$(DFLASH_VENV)/bin/python tests/compat/check_dflash.py $(COMPAT_OUT)
 	$(SPECFORGE_VENV)/bin/python tests/compat/check_specforge.py $(COMPAT_OUT)
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python tests/compat/check_vllm.py $(COMPAT_OUT)
 	$(PY) tests/compat/table.py $(COMPAT_OUT)
 
 bench: install

@@ -189,21 +189,16 @@ def test_speculators_format_config(tiny_target_dir, tmp_path):
         export_drafter(dflash, tiny_target_dir, str(tmp_path / "x"), fmt="eagle")
 
 
-def _drafts(model, features, anchors):
-    """Tokens (T=0), distributions q (T=1) and confidence logits of one block per anchor position."""
-    out = []
-    for pos in anchors:
-        ctx = model.encode_context(features[:pos])
-        greedy = model.draft_block(ctx, int(pos) % 500, 0.0)
-        sampled = model.draft_block(ctx, int(pos) % 500, 1.0, torch.Generator().manual_seed(int(pos)))
-        out.append((greedy.tokens, sampled.tokens, sampled.q, sampled.confidence_logits))
-    return out
+def _draft(model, features):
+    """One block at T = 1 after 20 context positions: (tokens, q [gamma, V], confidence logits)."""
+    r = model.draft_block(model.encode_context(features), 7, 1.0, torch.Generator().manual_seed(3))
+    return r.tokens, r.q, r.confidence_logits
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_reads_back_as_the_trained_drafter(tiny_target_dir, tmp_path, fmt):
     """Round trip: export -> load_export gives the same tensors and the same drafts (|diff| 0)."""
-    features = torch.randn(24, 128, generator=torch.Generator().manual_seed(7))
+    features = torch.randn(20, 128, generator=torch.Generator().manual_seed(7))
     variants = {"dspark": {}, "dspark-reduced": {"draft_vocab_size": 100},
                 "dflash": {"markov_rank": 0, "sample_from_anchor": False, "block_size": 3},
                 "dflash-reduced": {"markov_rank": 0, "sample_from_anchor": False, "block_size": 3,
@@ -215,8 +210,7 @@ def test_every_format_reads_back_as_the_trained_drafter(tiny_target_dir, tmp_pat
         assert back.config.block_size == model.config.block_size and back.config.slots == model.config.slots
         mine, theirs = model.state_dict(), back.state_dict()
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs), name   # every tensor the export holds
-        for a, b in zip(_drafts(model, features, [5, 20]), _drafts(back, features, [5, 20])):
-            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), name
-            assert float((a[2] - b[2]).abs().max()) == 0.0, name
-            if kw.get("markov_rank", 8):                   # DFlash exports drop the confidence head
-                assert torch.equal(a[3], b[3]), name
+        (tok, q, conf), (tok2, q2, conf2) = _draft(model, features), _draft(back, features)
+        assert torch.equal(tok, tok2) and float((q - q2).abs().max()) == 0.0, name   # same drafts, |diff| 0
+        if kw.get("markov_rank", 8):                   # DFlash exports drop the confidence head
+            assert torch.equal(conf, conf2), name

@@ -8,7 +8,7 @@ does both; it reuses ``VLLM_OUT`` when present):
 Reads the trained DFlash and DSpark drafters of ``VLLM_OUT/run`` (the product's checkpoints) and writes,
 with :func:`pipeline.export.export_drafter`, ``OUT/<format>/<drafter>`` for both formats and four
 drafters: ``dflash``, ``dspark`` and their reduced-vocabulary versions ``dflash-reduced`` /
-``dspark-reduced`` (the same trained drafter restricted to the ``REDUCED`` most frequent supervised
+``dspark-reduced`` (the same trained drafter restricted to the ``REDUCED`` most frequent
 tokens of the first 300 training chats: ``lm_head`` and the Markov ``W2`` rows of those tokens,
 ``d2t``/``t2d``).
 Each export is read back with :func:`pipeline.export.load_export` and must draft exactly as the
@@ -152,7 +152,7 @@ def main(vllm_out: Path, out: Path) -> None:
         with torch.no_grad():
             tap.base(input_ids=seq[None])
         feats = tap.features()[0]
-        refs[f"prompt.{i}"], refs[f"greedy.{i}"], refs[f"vllm.greedy.{i}"] = prompt, cont[:NEW_TOKENS], cont
+        refs[f"prompt.{i}"], refs[f"greedy.{i}"], refs[f"vllm.greedy.{i}"] = prompt, cont[:NEW_TOKENS].clone(), cont
         for name in ("dflash", "dflash-reduced"):
             refs[f"zlab.{name}.acceptance.{i}"] = torch.tensor(
                 zlab_replay(drafters[name], feats, seq, len(prompt), NEW_TOKENS))
