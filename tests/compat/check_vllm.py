@@ -5,8 +5,8 @@ Run after ``tests/compat/make_exports.py`` wrote ``OUT`` (``make test-compat`` d
     VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python tests/compat/check_vllm.py OUT
 
 For ``speculators/dflash`` and ``speculators/dflash-reduced``: ``vllm.LLM`` with
-``speculative_config={"model": export}`` alone (vLLM takes the method and ``num_speculative_tokens``
-from the speculators config) decodes the reference prompts greedily to exactly the target's greedy
+``speculative_config={"model": export, "num_speculative_tokens": gamma}`` (no method: vLLM takes it
+from the speculators config, and refuses a model without ``num_speculative_tokens``) decodes the reference prompts greedily to exactly the target's greedy
 tokens, and its drafts and accepted tokens per position equal the product's own drafter replaying
 vLLM's schedule (``vllm.<drafter>.acceptance``). vLLM's CPU runner refuses the DSpark method (see
 ``tests/vllm/check_export_vllm.py``). Each engine runs in its own subprocess. Prints ``ok:``/``FAIL:``
@@ -32,7 +32,8 @@ def check(out: Path, name: str) -> None:
     e = next(x for x in manifest["exports"] if x["format"] == "speculators" and x["drafter"] == name)
     ref = load_file(str(out / "reference.safetensors"))
     llm = LLM(model=manifest["target"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              max_model_len=512, seed=0, disable_log_stats=False, speculative_config={"model": e["path"]})
+              max_model_len=512, seed=0, disable_log_stats=False,
+              speculative_config={"model": e["path"], "num_speculative_tokens": e["num_speculative_tokens"]})
     n, k = manifest["num_prompts"], manifest["vllm_tokens"]
     spec = llm.llm_engine.vllm_config.speculative_config
     prompts = [TokensPrompt(prompt_token_ids=ref[f"prompt.{i}"].tolist()) for i in range(n)]
@@ -44,8 +45,8 @@ def check(out: Path, name: str) -> None:
     ours = ref[f"vllm.{name}.acceptance"].tolist()
     results = [
         (spec.method == "dflash" and spec.num_speculative_tokens == e["num_speculative_tokens"],
-         f"{name}: vLLM reads method {spec.method!r}, num_speculative_tokens {spec.num_speculative_tokens} from the "
-         f"speculators config"),
+         f"{name}: vLLM reads method {spec.method!r} from the speculators config "
+         f"(num_speculative_tokens {spec.num_speculative_tokens})"),
         (same == n, f"{name}: greedy decoding equals the target's own ({same}/{n} prompts, {k} tokens)"),
         (got == ours, f"{name}: vLLM's drafts and accepted tokens per position {got} equal the product's replay {ours}")]
     for ok, what in results:
