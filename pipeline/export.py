@@ -195,7 +195,9 @@ def speculators_config(model, target_config: Mapping[str, Any], temperatures: Se
            "target_hidden_size": int(target_config["hidden_size"]),
            "aux_hidden_state_layer_ids": [int(i) + 1 for i in c.target_layer_ids],
            "mask_token_id": int(c.mask_token_id), "sample_from_anchor": bool(c.sample_from_anchor),
-           "sliding_window_non_causal": False, "dtype": _dtype_name(target_config)}
+           # blocks attend bidirectionally, as trained: vLLM maps this key to dflash_config.causal for every
+           # layer (false would run the drafter causally); speculators applies it to sliding-window layers only
+           "sliding_window_non_causal": True, "dtype": _dtype_name(target_config)}
     if algo == "dspark":
         cfg.update(markov_rank=int(c.markov_rank), markov_head_type="vanilla",
                    enable_confidence_head=c.confidence_head, confidence_head_with_markov=c.confidence_head)

@@ -179,6 +179,7 @@ def test_speculators_format_config(tiny_target_dir, tmp_path):
     layer = cfg["transformer_layer_config"]
     assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2 and layer["vocab_size"] == 512
     assert "target_layer_ids" not in cfg and "dflash_config" not in cfg
+    assert cfg["sliding_window_non_causal"] is True      # vLLM: causal = not this, for every layer
     assert cfg["confidence_temperatures"] == [1.0, 1.5, 2.0, 0.8]
     dflash = _drafter(tiny_target_dir, markov_rank=0, sample_from_anchor=False, block_size=3)
     _, dcfg, _ = _export(dflash, tiny_target_dir, tmp_path / "spec-dflash", fmt="speculators")
