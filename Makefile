@@ -7,7 +7,7 @@ export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/dspark-torch-extensions
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-cluster test test-fast test-vllm bench clean
+.PHONY: install demo demo-cluster test test-fast test-vllm test-compat bench clean
 
 # One pip command installs everything (torch pinned to the CPU build on the same line; a later,
 # separate moto install would break the s3fs/botocore pin). constraints.txt is the resolved set
@@ -48,6 +48,50 @@ test-vllm: install $(VLLM_VENV)/.installed-stamp
 	$(PY) tests/vllm/make_exports.py runs/vllm-check
 	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. $(VLLM_VENV)/bin/python tests/vllm/check_export_vllm.py runs/vllm-check
 	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. $(VLLM_VENV)/bin/python tests/vllm/check_generate_vllm.py
+
+# Third-party drafter tools, each from the registry in its own environment with pinned versions
+# (their pins conflict with ours and with each other; /work/shared notes: NOTES-stack.md). The
+# exports of the same tiny drafters as test-vllm are checked with each tool's own classes.
+SPECULATORS_VENV ?= .venv-speculators
+DFLASH_VENV ?= .venv-dflash
+SPECFORGE_VENV ?= .venv-specforge
+$(SPECULATORS_VENV)/.installed-stamp:
+	python3 -m venv $(SPECULATORS_VENV)
+	$(SPECULATORS_VENV)/bin/pip install -q --upgrade pip
+	$(SPECULATORS_VENV)/bin/pip install -q torch==2.13.0 speculators==0.9.0
+	$(SPECULATORS_VENV)/bin/pip uninstall -y -q torchvision torchaudio
+	touch $@
+
+$(DFLASH_VENV)/.installed-stamp:
+	python3 -m venv $(DFLASH_VENV)
+	$(DFLASH_VENV)/bin/pip install -q --upgrade pip
+	$(DFLASH_VENV)/bin/pip install -q torch==2.13.0 dflash==0.1.0 transformers==5.15.0
+	touch $@
+
+# specforge 0.2.0 pins torch 2.11 and sglang (GPU serving): its wheel without dependencies plus the
+# transformers it is written against is enough for its model classes on CPU.
+$(SPECFORGE_VENV)/.installed-stamp:
+	python3 -m venv $(SPECFORGE_VENV)
+	$(SPECFORGE_VENV)/bin/pip install -q --upgrade pip
+	$(SPECFORGE_VENV)/bin/pip install -q torch==2.13.0 transformers==5.8.1 safetensors
+	$(SPECFORGE_VENV)/bin/pip install -q --no-deps specforge==0.2.0
+	touch $@
+
+# The exports of the test-vllm drafters (trained by tests/vllm/make_exports.py, reused when present) in
+# both formats, full and reduced vocabulary, loaded by each tool (and vLLM serving the speculators
+# format); prints the README's compatibility table.
+COMPAT_OUT ?= runs/compat
+runs/vllm-check/manifest.json:
+	$(PY) tests/vllm/make_exports.py runs/vllm-check
+
+test-compat: install $(SPECULATORS_VENV)/.installed-stamp $(DFLASH_VENV)/.installed-stamp \
+		$(SPECFORGE_VENV)/.installed-stamp $(VLLM_VENV)/.installed-stamp runs/vllm-check/manifest.json
+	$(PY) tests/compat/make_exports.py runs/vllm-check $(COMPAT_OUT)
+	$(SPECULATORS_VENV)/bin/python tests/compat/check_speculators.py $(COMPAT_OUT)
+	$(DFLASH_VENV)/bin/python tests/compat/check_dflash.py $(COMPAT_OUT)
+	$(SPECFORGE_VENV)/bin/python tests/compat/check_specforge.py $(COMPAT_OUT)
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python tests/compat/check_vllm.py $(COMPAT_OUT)
+	$(PY) tests/compat/table.py $(COMPAT_OUT)
 
 bench: install
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

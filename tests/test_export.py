@@ -1,4 +1,5 @@
-"""Export format (no vLLM needed): names, shapes, dtypes and config keys vLLM 0.32 expects; refusals."""
+"""Export formats (no vLLM needed): names, shapes, dtypes and config keys vLLM 0.32, speculators 0.9,
+z-lab dflash and SpecForge read; refusals; each format read back into the product's drafter."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import torch
 from safetensors.torch import load, load_file
 from transformers import AutoConfig
 
-from pipeline.export import ExportError, check_tensors, export_drafter, expected_tensors
+from pipeline.export import FORMATS, ExportError, check_tensors, export_drafter, expected_tensors, load_export
 from training.target_weights import load_shared_weights
 from training.draft_vocab import build_d2t
 from training.drafter import Drafter, DrafterConfig
@@ -69,7 +70,13 @@ def test_dspark_export_names_shapes_dtypes_and_config(tiny_target_dir, tmp_path)
     assert cfg["enable_confidence_head"] is True and cfg["confidence_head_with_markov"] is True
     assert cfg["sample_from_anchor"] is True and cfg["tie_word_embeddings"] is False
     assert cfg["confidence_temperatures"] == [1.0, 1.5, 2.0, 0.8] and cfg["confidence_temperature_folded"] is None
-    assert "quantization_config" not in cfg and "layer_types" not in cfg and "dflash_config" not in cfg
+    assert "quantization_config" not in cfg and "layer_types" not in cfg
+    # SpecForge reads the DSpark keys from dflash_config, with projector_type
+    assert cfg["dflash_config"] == {
+        "mask_token_id": 5, "target_layer_ids": [0, 2], "sample_from_anchor": True, "markov_rank": 8,
+        "enable_confidence_head": True, "confidence_head_with_markov": True, "block_size": 4,
+        "projector_type": "dspark", "attention_mode": "gqa"}
+    assert info["num_speculative_tokens"] == 4 and info["block_size"] == 4   # [anchor, mask x 3]: 4 drafts
     assert cfg["enable_thinking"] is None and info["enable_thinking"] is None  # the template's default mode
     assert info["confidence"] == "config" and info["num_tensors"] == len(DSPARK) and info["dropped"] == []
     assert {k: v[0] for k, v in expected_tensors(cfg).items()} == {k: tuple(v.shape) for k, v in t.items()}
@@ -80,21 +87,26 @@ def test_dflash_export_drops_confidence_head(tiny_target_dir, tmp_path):
     info, cfg, t = _export(model, tiny_target_dir, tmp_path / "dflash")
     assert set(t) == BACKBONE
     assert cfg["architectures"] == ["DFlashDraftModel"]
-    assert cfg["dflash_config"] == {"mask_token_id": 5, "target_layer_ids": [0, 2]}
+    assert cfg["dflash_config"] == {"mask_token_id": 5, "target_layer_ids": [0, 2], "sample_from_anchor": False}
+    # block_size counts the slots, anchor included ([anchor, mask x 3]): every tool drafts 3 from it
+    assert cfg["block_size"] == 4 and info["num_speculative_tokens"] == 3
     assert "markov_rank" not in cfg and "confidence_temperatures" not in cfg
     assert info["dropped"] == ["confidence_head.proj.weight", "confidence_head.proj.bias"]
     assert info["confidence"] == "none"
 
 
-def test_reduced_vocabulary_ships_lm_head_and_d2t(tiny_target_dir, tmp_path):
+def test_reduced_vocabulary_ships_lm_head_d2t_and_t2d(tiny_target_dir, tmp_path):
     model = _drafter(tiny_target_dir, draft_vocab_size=100)
     _, cfg, t = _export(model, tiny_target_dir, tmp_path / "reduced")
-    assert set(t) == DSPARK | {"lm_head.weight", "d2t"}
+    assert set(t) == DSPARK | {"lm_head.weight", "d2t", "t2d"}
+    drafted = torch.arange(100) + t["d2t"]                   # the 100 draft ids' target ids
+    assert t["t2d"].dtype == torch.bool and t["t2d"].shape == (512,) and int(t["t2d"].sum()) == 100
+    assert t["t2d"][drafted].all() and torch.equal(t["t2d"].nonzero().flatten(), drafted)
     assert cfg["draft_vocab_size"] == 100 and cfg["vocab_size"] == 512
     assert t["d2t"].dtype == torch.int64 and t["lm_head.weight"].shape == (100, 64)
     assert t["markov_head.markov_w1.weight"].shape == (512, 8) and t["markov_head.markov_w2.weight"].shape == (100, 8)
     _, lm_head = load_shared_weights(tiny_target_dir)
-    assert torch.equal(t["lm_head.weight"], lm_head[torch.arange(100) + t["d2t"]])
+    assert torch.equal(t["lm_head.weight"], lm_head[drafted])
 
 
 def test_equal_temperatures_fold_into_the_head(tiny_target_dir):
@@ -150,3 +162,57 @@ def test_refuses_drafters_vllm_cannot_serve(tiny_target_dir, tmp_path):
         export_drafter(_drafter(tiny_target_dir, markov_rank=0), tiny_target_dir, str(tmp_path / "d"))
     with pytest.raises(ExportError, match="3 temperatures for block size 4"):
         export_drafter(_drafter(tiny_target_dir), tiny_target_dir, str(tmp_path / "t"), temperatures=[1, 1, 1])
+
+
+def test_speculators_format_config(tiny_target_dir, tmp_path):
+    model = _drafter(tiny_target_dir, draft_vocab_size=100)
+    info, cfg, t = _export(model, tiny_target_dir, tmp_path / "spec", fmt="speculators", verifier="org/target",
+                           temperatures=[1.0, 1.5, 2.0, 0.8])
+    assert set(t) == DSPARK | {"lm_head.weight", "d2t", "t2d"} and info["format"] == "speculators"
+    assert cfg["speculators_model_type"] == "dspark" and cfg["architectures"] == ["DSparkSpeculator"]
+    assert cfg["speculators_config"] == {
+        "algorithm": "dspark", "default_proposal_method": "greedy",
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 4}],
+        "verifier": {"name_or_path": "org/target", "architectures": ["Qwen3ForCausalLM"]}}
+    assert cfg["aux_hidden_state_layer_ids"] == [1, 3]           # speculators counts the embedding as 0
+    assert (cfg["block_size"], cfg["sample_from_anchor"], cfg["draft_vocab_size"]) == (4, True, 100)
+    assert (cfg["markov_rank"], cfg["markov_head_type"], cfg["mask_token_id"]) == (8, "vanilla", 5)
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2 and layer["vocab_size"] == 512
+    assert "target_layer_ids" not in cfg and "dflash_config" not in cfg
+    assert cfg["sliding_window_non_causal"] is True      # vLLM: causal = not this, for every layer
+    assert cfg["confidence_temperatures"] == [1.0, 1.5, 2.0, 0.8]
+    dflash = _drafter(tiny_target_dir, markov_rank=0, sample_from_anchor=False, block_size=3)
+    _, dcfg, _ = _export(dflash, tiny_target_dir, tmp_path / "spec-dflash", fmt="speculators")
+    assert dcfg["speculators_model_type"] == "dflash" and dcfg["block_size"] == 4
+    assert dcfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert dcfg["draft_vocab_size"] == 512 and "markov_rank" not in dcfg
+    with pytest.raises(ExportError, match=r"export.format='eagle' is not one of \['native', 'speculators'\]"):
+        export_drafter(dflash, tiny_target_dir, str(tmp_path / "x"), fmt="eagle")
+
+
+def _draft(model, features):
+    """One block at T = 1 after 20 context positions: (tokens, q [gamma, V], confidence logits)."""
+    r = model.draft_block(model.encode_context(features), 7, 1.0, torch.Generator().manual_seed(3))
+    return r.tokens, r.q, r.confidence_logits
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_reads_back_as_the_trained_drafter(tiny_target_dir, tmp_path, fmt):
+    """Round trip: export -> load_export gives the same tensors and the same drafts (|diff| 0)."""
+    features = torch.randn(20, 128, generator=torch.Generator().manual_seed(7))
+    variants = {"dspark": {}, "dspark-reduced": {"draft_vocab_size": 100},
+                "dflash": {"markov_rank": 0, "sample_from_anchor": False, "block_size": 3},
+                "dflash-reduced": {"markov_rank": 0, "sample_from_anchor": False, "block_size": 3,
+                                   "draft_vocab_size": 100}}
+    for name, kw in variants.items():
+        model = _drafter(tiny_target_dir, **kw)
+        export_drafter(model, tiny_target_dir, str(tmp_path / name), fmt=fmt)
+        back = load_export(str(tmp_path / name), str(tiny_target_dir))
+        assert back.config.block_size == model.config.block_size and back.config.slots == model.config.slots
+        mine, theirs = model.state_dict(), back.state_dict()
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs), name   # every tensor the export holds
+        (tok, q, conf), (tok2, q2, conf2) = _draft(model, features), _draft(back, features)
+        assert torch.equal(tok, tok2) and float((q - q2).abs().max()) == 0.0, name   # same drafts, |diff| 0
+        if kw.get("markov_rank", 8):                   # DFlash exports drop the confidence head
+            assert torch.equal(conf, conf2), name

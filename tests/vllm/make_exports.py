@@ -33,7 +33,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dspark-torch-extensions"))
 
-BLOCK = 4          # drafted tokens per block = vLLM num_speculative_tokens
+BLOCK = 4          # drafted tokens per block gamma = vLLM num_speculative_tokens (the exports' block_size
+                   # counts slots: 5 for the DFlash drafter's [anchor, mask x 4], 4 for DSpark's)
 NEW_TOKENS = 48    # greedy tokens per reference prompt
 NUM_PROMPTS = 4
 
@@ -189,7 +190,8 @@ def main(out: Path) -> None:
     ds = exported["dspark"]
     save_file(references(cfg, paths, ds["folded_temperature"]), str(out / "reference.safetensors"))
     manifest = {"target": str(paths.target_dir), "num_prompts": NUM_PROMPTS, "new_tokens": NEW_TOKENS,
-                "drafters": {n: {"path": e["path"], "architecture": e["architecture"], "num_speculative_tokens": BLOCK,
+                "drafters": {n: {"path": e["path"], "architecture": e["architecture"],
+                                 "num_speculative_tokens": e["num_speculative_tokens"], "block_size": e["block_size"],
                                  "folded_temperature": e["folded_temperature"]} for n, e in exported.items()},
                 "target_metrics": json.loads(paths.metrics.read_text()).get("heldout_chat"),
                 "stages": summaries, "seconds": {k: round(v, 1) for k, v in times.items()}}
