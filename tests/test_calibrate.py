@@ -93,12 +93,16 @@ def test_calibrate_drafter_recovers_known_temperatures():
     c = torch.rand(4000, 3, generator=g) * 0.9 + 0.05
     valid = torch.ones(4000, 3, dtype=torch.bool)
     valid[:1000, 2] = False
-    report = calibrate_drafter(ConfidenceSet(2 * torch.logit(c), c, valid), n_bins=10, grid_step=0.05)
+    batch = torch.arange(4000) // 100                 # 40 batches: even ones fit, odd ones report
+    report = calibrate_drafter(ConfidenceSet(2 * torch.logit(c), c, valid, batch), n_bins=10, grid_step=0.05)
     assert report["temperatures"] == pytest.approx([2.0, 2.0, 2.0], abs=0.01)
-    assert [p["n"] for p in report["positions"]] == [4000, 4000, 3000]
+    assert report["global_temperature"] == pytest.approx(2.0, abs=0.011)
+    assert report["fit_blocks"] == report["report_blocks"] == 2000
+    assert [p["n"] for p in report["positions"]] == [2000, 2000, 1500]   # the report half only
     assert report["num_blocks"] == 4000 and report["label"] == "expected_acceptance" and report["n_bins"] == 10
+    assert report["sts"]["at_bounds"] == [] and report["sts"]["min_blocks"] == 200
     for p in report["positions"]:
-        assert p["after"]["ece"] < 0.01 < p["before"]["ece"]
+        assert p["after"]["ece"] < 0.01 < p["before"]["ece"] and p["global"]["ece"] < 0.01
 
 
 def test_confidence_set_round_trip():

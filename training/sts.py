@@ -324,8 +324,9 @@ def _position_metrics(a: torch.Tensor, label: torch.Tensor, n_bins: int, thresho
 
 def calibration_report(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor | None,
                        T: torch.Tensor | list[float], *, n_bins: int = 15,
-                       auc_threshold: float = 0.5) -> dict:
-    """Per-position calibration of the survival ``a_k`` before (all T = 1) and after STS.
+                       auc_threshold: float = 0.5, global_temperature: float | None = None) -> dict:
+    """Per-position calibration of the survival ``a_k`` before (all T = 1) and after STS (and, given
+    ``global_temperature``, with that one temperature at every position: key ``"global"``).
 
     Args:
         z, y, valid: as in :func:`fit_temperatures` ([N, gamma]). T: temperatures [gamma].
@@ -343,6 +344,7 @@ def calibration_report(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor | N
     cum_label = torch.cumprod(y64, dim=1)
     a_before = torch.cumprod(torch.sigmoid(z64), dim=1)
     a_after = torch.cumprod(torch.sigmoid(z64 / T), dim=1)
+    a_global = None if global_temperature is None else torch.cumprod(torch.sigmoid(z64 / global_temperature), 1)
     positions = []
     for k in range(z64.shape[1]):
         rows = cum_valid[:, k]
@@ -350,6 +352,8 @@ def calibration_report(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor | N
         positions.append({"k": k + 1, "n": int(rows.sum()),
                           "before": _position_metrics(a_before[rows, k], lab, n_bins, auc_threshold),
                           "after": _position_metrics(a_after[rows, k], lab, n_bins, auc_threshold)})
+        if a_global is not None:
+            positions[-1]["global"] = _position_metrics(a_global[rows, k], lab, n_bins, auc_threshold)
     return {"n_bins": n_bins, "temperatures": [float(t) for t in T], "positions": positions}
 
 
