@@ -335,11 +335,12 @@ def _fresh_state(spec, cfg: RunConfig, target_dir: str, d2t) -> dict[str, torch.
 
 
 def _vllm_view(cfg: RunConfig, name: str, info: dict[str, Any]) -> dict[str, Any] | None:
-    """ECE per position of the confidence as vLLM computes it (raw sigmoid of the exported head)."""
+    """ECE per position of the confidence as vLLM computes it (raw sigmoid of the exported head), on the
+    calibrate stage's report half (as its before / after figures)."""
     from pipeline.calibrate import load_confidence
     from training.sts import calibration_report
 
-    data = load_confidence(join(cfg.run_dir, "calibrate", name, "confidence.safetensors"))
+    data = load_confidence(join(cfg.run_dir, "calibrate", name, "confidence.safetensors")).split()[1]
     gamma = data.z.shape[1]
     T = [info["folded_temperature"] or 1.0] * gamma
     report = calibration_report(data.z, data.y, data.valid, T, n_bins=cfg.calibrate.bins)
