@@ -174,7 +174,10 @@ def realised_calibration(cfg: RunConfig, drafters: dict[str, Any], decoded: dict
             continue
         for T in ev.temperatures:
             key = f"T={T:g}"
-            decode = from_rounds(decoded[(key, name)])
+            try:
+                decode = from_rounds(decoded[(key, name)])
+            except ValueError:          # no round at all (every prompt stopped at once): nothing to score
+                continue
             if (name, float(T)) in block_records:
                 fit, odd = from_records(block_records[(name, float(T))]).split()
                 reports = {"decoding": decode, "block level, odd batches": odd}
@@ -192,6 +195,8 @@ def realised_calibration(cfg: RunConfig, drafters: dict[str, Any], decoded: dict
         try:
             method = "dspark" if architecture(drafter.config) == DSPARK_ARCH else "dflash"
         except ExportError:
+            continue
+        if name not in result:
             continue
         text += ["", f"serving recommendation, {name} (simulated on the SPS curve and the realised decoding blocks):",
                  recommendation(result[name], method, join(cfg.run_dir, "export", name))]

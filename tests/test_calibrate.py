@@ -135,7 +135,8 @@ def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, t
     out = tmp_path / "run" / "calibrate" / "dspark"
     report = json.loads((out / "report.json").read_text())
     assert len(s["temperatures"]) == 7 and s["temperatures"] == report["temperatures"]
-    assert s["num_blocks"] == report["num_blocks"] == report["positions"][0]["n"] > 0
+    assert s["num_blocks"] == report["num_blocks"] == report["fit_blocks"] + report["report_blocks"]
+    assert report["positions"][0]["n"] == report["report_blocks"] > 0      # reported out-of-sample
     assert s["ece_after"][0] <= s["ece_before"][0]                # position 1: never worse than T = 1
     saved = load_confidence(str(out / "confidence.safetensors"))
     y, valid = saved.y, saved.valid
