@@ -18,7 +18,7 @@ def bare_forward_tokens_per_s(cfg, rows: int) -> tuple[float, int]:
     no writes (2 threads: the same cores the cache stage's actors share)."""
     import torch
 
-    from pipeline.cache import _tokenizer, plan, render_shard
+    from pipeline.cache import plan, render_shard
     from pipeline.prefill import length_batches
     from pipeline.target import load_target, resolve_target_path
 

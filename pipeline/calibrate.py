@@ -5,9 +5,15 @@ shards (``training.data.split_shards``: the last ``train.heldout_shards`` non-em
 blocks at anchors drawn from a fixed seed, exactly as in training (teacher forcing). Each block
 gives, per predicting position k = 1..gamma, the confidence logit ``z_k`` and the label ``c*_k =
 1 - 0.5 ||p_d - p_t||_1`` (the expected acceptance of that slot given an accepted prefix, DSpark
-sec. 3.3), valid on the block's supervised prefix. :func:`training.sts.fit_temperatures` then fits
-``T_1..T_gamma`` left to right (DSpark sec. 3.2.1, STS), minimising the equal-width-bin ECE of the
-survival ``a_k = prod_{i<=k} sigmoid(z_i / T_i)`` against ``prod_{i<=k} c*_i``.
+sec. 3.3), valid on the block's supervised prefix. The blocks are split by batch: even batches fit,
+odd batches report (so the "after" figures are out-of-sample). :func:`training.sts.fit_temperatures`
+fits ``T_1..T_gamma`` left to right (DSpark sec. 3.2.1, STS), minimising the equal-width-bin ECE of
+the survival ``a_k = prod_{i<=k} sigmoid(z_i / T_i)`` against ``prod_{i<=k} c*_i``, with the guards
+recorded in the report's ``sts`` entry: temperatures bounded to ``[t_min, t_max]``, the Brier score
+deciding where the ECE is flat (within ``ece_tol`` of its minimum), and a position with fewer than
+``min_blocks`` fitting blocks keeping the previous position's temperature; ``at_bounds`` lists the
+positions whose temperature still sits at a bound. :func:`training.sts.fit_global_temperature` fits
+the one temperature that the export folds into the head (what vLLM's raw sigmoid can express).
 
 Outputs under ``<run_dir>/calibrate/<drafter>/``: ``report.json`` (temperatures; ECE, Brier and AUC
 per position before and after), ``reliability.png`` and ``confidence.safetensors`` (the ``z``, ``y``,
@@ -43,11 +49,21 @@ class ConfidenceSet:
         z: [N, gamma] float32 confidence logits (0 where not valid).
         y: [N, gamma] float32 labels ``c*_k`` in [0, 1] (0 where not valid).
         valid: [N, gamma] bool, each block's supervised prefix (blocks with no valid slot dropped).
+        batch: [N] int64 index of the held-out batch each block came from, or None (unknown).
     """
 
     z: torch.Tensor
     y: torch.Tensor
     valid: torch.Tensor
+    batch: torch.Tensor | None = None
+
+    def split(self) -> tuple["ConfidenceSet", "ConfidenceSet"]:
+        """(fit, report) halves: even / odd batches, or even / odd rows when fewer than 2 batches."""
+        key = self.batch if self.batch is not None and self.batch.unique().numel() > 1 else torch.arange(self.num_blocks)
+        fit = key % 2 == 0
+        part = lambda m: ConfidenceSet(self.z[m], self.y[m], self.valid[m],  # noqa: E731
+                                       None if self.batch is None else self.batch[m])
+        return part(fit), part(~fit)
 
     @property
     def num_blocks(self) -> int:
@@ -79,7 +95,7 @@ def collect_confidence(model, batches: Iterable[Sequence[Mapping[str, torch.Tens
         raise PipelineError("this drafter has no confidence head: nothing to calibrate (set "
                          "train.drafters.<name>.confidence_head=true and retrain)")
     gamma = model.config.block_size
-    zs, ys, vs = [], [], []
+    zs, ys, vs, bs = [], [], [], []
     model.eval()
     with torch.no_grad():
         for i, samples in enumerate(batches):
@@ -97,39 +113,51 @@ def collect_confidence(model, batches: Iterable[Sequence[Mapping[str, torch.Tens
             zs.append(z[keep])
             ys.append(y[keep])
             vs.append(valid[keep])
+            bs.append(torch.full((int(keep.sum()),), i, dtype=torch.long))
     if not zs or sum(v.shape[0] for v in vs) == 0:
         raise PipelineError("the held-out samples hold no supervised block: cache more rows or raise "
                          "train.heldout_shards")
-    return ConfidenceSet(torch.cat(zs), torch.cat(ys), torch.cat(vs))
+    return ConfidenceSet(torch.cat(zs), torch.cat(ys), torch.cat(vs), torch.cat(bs))
 
 
 def calibrate_drafter(data: ConfidenceSet, *, n_bins: int, grid_step: float) -> dict[str, Any]:
-    """Fit STS temperatures on ``data`` and build the calibration report (DSpark sec. 3.2.1).
+    """Fit STS temperatures and the global temperature on the fit half of ``data`` and report the
+    calibration on the other half (:meth:`ConfidenceSet.split`; DSpark sec. 3.2.1).
 
     Args:
         data: confidence logits, labels and prefix mask. n_bins: ECE bins. grid_step: coarse search
             step for each ``T_k`` (refined tenfold around the best point).
     Returns:
-        :func:`training.sts.calibration_report` plus ``num_blocks`` and ``label``
-        (``"expected_acceptance"``).
+        :func:`training.sts.calibration_report` on the report half (``before``, ``after`` = STS,
+        ``global``) plus ``global_temperature``, ``num_blocks``, ``fit_blocks``, ``report_blocks``,
+        ``label`` (``"expected_acceptance"``) and ``sts``: the guards ``{"t_min", "t_max", "ece_tol",
+        "min_blocks", "at_bounds" (1-based positions), "global_at_bound"}``.
     Raises:
         ValueError: as :func:`training.sts.fit_temperatures`.
     """
-    from training.sts import calibration_report, fit_temperatures
+    from training.sts import (ECE_TOL, MIN_BLOCKS, T_MAX, T_MIN, at_bounds, calibration_report,
+                              fit_global_temperature, fit_temperatures)
 
-    T = fit_temperatures(data.z, data.y, data.valid, n_bins=n_bins, grid_step=grid_step)
-    report = calibration_report(data.z, data.y, data.valid, T, n_bins=n_bins)
-    return {**report, "num_blocks": data.num_blocks, "label": LABEL_KIND}
+    fit, held = data.split()
+    T = fit_temperatures(fit.z, fit.y, fit.valid, n_bins=n_bins, grid_step=grid_step)
+    T_g = fit_global_temperature(fit.z, fit.y, fit.valid, n_bins=n_bins)
+    report = calibration_report(held.z, held.y, held.valid, T, n_bins=n_bins, global_temperature=T_g)
+    return {**report, "global_temperature": T_g, "num_blocks": data.num_blocks, "fit_blocks": fit.num_blocks,
+            "report_blocks": held.num_blocks, "label": LABEL_KIND,
+            "sts": {"t_min": T_MIN, "t_max": T_MAX, "ece_tol": ECE_TOL, "min_blocks": MIN_BLOCKS,
+                    "at_bounds": at_bounds(T), "global_at_bound": bool(at_bounds([T_g]))}}
 
 
 def save_confidence(url: str, data: ConfidenceSet) -> None:
-    """Write ``z``, ``y``, ``valid`` (uint8) to a safetensors file at ``url`` (any fsspec URL)."""
+    """Write ``z``, ``y``, ``valid`` (uint8) and ``batch`` (if known) to a safetensors file at ``url``."""
     from safetensors.torch import save
 
     fs, path = filesystem(url)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    fs.pipe_file(path, save({"z": data.z.contiguous(), "y": data.y.contiguous(),
-                             "valid": data.valid.to(torch.uint8).contiguous()}))
+    tensors = {"z": data.z.contiguous(), "y": data.y.contiguous(), "valid": data.valid.to(torch.uint8).contiguous()}
+    if data.batch is not None:
+        tensors["batch"] = data.batch.contiguous()
+    fs.pipe_file(path, save(tensors))
 
 
 def load_confidence(url: str) -> ConfidenceSet:
@@ -138,16 +166,16 @@ def load_confidence(url: str) -> ConfidenceSet:
 
     fs, path = filesystem(url)
     t = load(fs.cat_file(path))
-    return ConfidenceSet(t["z"], t["y"], t["valid"].bool())
+    return ConfidenceSet(t["z"], t["y"], t["valid"].bool(), t.get("batch"))
 
 
 def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     """``+stage=calibrate``: STS for every trained drafter that has a confidence head.
 
     Returns:
-        ``{"heldout_shards": [...], "drafters": {name: {"temperatures", "num_blocks",
-        "block_size", "heldout_tau_expected", "ece_before", "ece_after"} | {"skipped": reason}}}`` with ECE lists per
-        position (None where undefined); ``heldout_tau_expected`` is the mean over held-out blocks of
+        ``{"heldout_shards": [...], "drafters": {name: {"temperatures", "global_temperature", "at_bounds",
+        "num_blocks", "block_size", "heldout_tau_expected", "ece_before", "ece_after", "ece_global"} |
+        {"skipped": reason}}}`` with ECE lists per position on the report half (None where undefined); ``heldout_tau_expected`` is the mean over held-out blocks of
         ``1 + sum_j prod_{i<=j} c*_i`` (:func:`training.losses.expected_tau`).
     Raises:
         FingerprintMismatchError: the cache does not fit the config.
@@ -179,13 +207,16 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
         out = join(cfg.run_dir, "calibrate", name)
         write_json(join(out, "report.json"), report)
         save_confidence(join(out, "confidence.safetensors"), data)
-        plot_reliability(join(out, "reliability.png"), data.z, data.y, data.valid, report["temperatures"],
+        held = data.split()[1]
+        plot_reliability(join(out, "reliability.png"), held.z, held.y, held.valid, report["temperatures"],
                          n_bins=cfg.calibrate.bins)
         pos = report["positions"]
         summary["drafters"][name] = {
-            "temperatures": report["temperatures"], "num_blocks": data.num_blocks,
+            "temperatures": report["temperatures"], "global_temperature": report["global_temperature"],
+            "at_bounds": report["sts"]["at_bounds"], "num_blocks": data.num_blocks,
             "block_size": data.z.shape[1], "heldout_tau_expected": float(expected_tau(data.y, data.valid).mean()),
-            "ece_before": [p["before"]["ece"] for p in pos], "ece_after": [p["after"]["ece"] for p in pos]}
+            "ece_before": [p["before"]["ece"] for p in pos], "ece_after": [p["after"]["ece"] for p in pos],
+            "ece_global": [p["global"]["ece"] for p in pos]}
         log.info("calibrate %s: %d blocks, T=%s", name, data.num_blocks,
                  [round(t, 3) for t in report["temperatures"]])
     return summary

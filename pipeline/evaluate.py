@@ -16,7 +16,7 @@ import torch
 from pipeline.chats import Chat, iter_chats
 from pipeline.config import RunConfig
 from pipeline.render import render_options, render_prompt, thinking_mode
-from pipeline.speculate import Decoded, full_block, plain_decode, speculative_decode, threshold_policy
+from pipeline.speculate import Decoded, plain_decode, speculative_decode, threshold_policy
 from pipeline.errors import PipelineError
 from storage import join, read_json
 from pipeline.paths import resolve_input
@@ -115,10 +115,12 @@ def block_pairs(drafters: dict[str, Any]) -> list[tuple[str, str]]:
                     and kinds[b] == "control"]
 
 
-def block_level(cfg: RunConfig, drafters: dict[str, Any], target_dir: str) -> dict[str, Any]:
+def block_level(cfg: RunConfig, drafters: dict[str, Any], target_dir: str, records: dict | None = None
+                ) -> dict[str, Any]:
     """Paired block-level speculative sampling of every drafter on the held-out cache shards
     (:func:`training.block_runner.evaluate_blocks`): the first ``evaluate.block_samples`` held-out
-    samples, ``evaluate.block_anchors`` anchors each, at ``evaluate.temperatures``.
+    samples, ``evaluate.block_anchors`` anchors each, at ``evaluate.temperatures``; ``records`` collects
+    the per-block realised outcomes (``evaluate_blocks(records=...)``).
 
     Returns:
         :func:`training.block_eval.summarise` with pair keys written ``"a/b"`` and ``table`` (markdown).
@@ -136,11 +138,71 @@ def block_level(cfg: RunConfig, drafters: dict[str, Any], target_dir: str) -> di
 
     batches = sample_batches(reader, split.heldout, cfg.train.micro_batch_samples, cfg.evaluate.block_samples)
     tally = evaluate_blocks(drafters, batches, temperatures=cfg.evaluate.temperatures,
-                            num_anchors=cfg.evaluate.block_anchors)
+                            num_anchors=cfg.evaluate.block_anchors, records=records)
     summary = summarise(tally, pairs=block_pairs(drafters))
     table = format_table(summary)
     summary["pairs"] = {f"{a}/{b}": v for (a, b), v in summary["pairs"].items()}
     return {**summary, "heldout_shards": list(split.heldout), "table": table}
+
+
+def _global_temperature(cfg: RunConfig, name: str) -> float | None:
+    try:
+        return read_json(join(cfg.run_dir, "calibrate", name, "report.json")).get("global_temperature")
+    except FileNotFoundError:
+        return None
+
+
+def realised_calibration(cfg: RunConfig, drafters: dict[str, Any], decoded: dict, block_records: dict, sps
+                         ) -> tuple[dict[str, Any], str]:
+    """Calibration on realised acceptance per drafter with a confidence head and temperature
+    (:mod:`pipeline.realised`): estimators fitted on the block-level outcomes of even held-out
+    batches (without a block-level evaluation: on the decoding rounds of even prompts), reported on
+    the decoding rounds and on the odd batches; the scheduler simulation replays the decoding rounds.
+    Writes ``evaluate/reliability_<drafter>_T<T>.png``.
+
+    Returns:
+        ``({name: {"T=..": pipeline.realised.compare result}}, markdown)``: the tables and, per drafter vLLM
+        serves, the serving recommendation (:func:`pipeline.realised.recommendation`).
+    """
+    from pipeline.export import DSPARK_ARCH, ExportError, architecture
+    from pipeline.realised import (compare, conditional, format_tables, from_records, from_rounds,
+                                   plot_reliability, recommendation)
+
+    ev, out_dir = cfg.evaluate, join(cfg.run_dir, "evaluate")
+    result: dict[str, Any] = {}
+    text = []
+    for name, drafter in drafters.items():
+        if drafter.confidence_head is None:
+            continue
+        for T in ev.temperatures:
+            key = f"T={T:g}"
+            try:
+                decode = from_rounds(decoded[(key, name)])
+            except ValueError:          # no round at all (every prompt stopped at once): nothing to score
+                continue
+            if (name, float(T)) in block_records:
+                fit, odd = from_records(block_records[(name, float(T))]).split()
+                reports = {"decoding": decode, "block level, odd batches": odd}
+            else:
+                fit, odd = decode.split()
+                reports = {"decoding, odd prompts": odd}
+            cmp = compare(fit, reports, sps, concurrency=ev.concurrency, export_temperature=_global_temperature(cfg, name),
+                          seed=ev.seed, n_bins=cfg.calibrate.bins)
+            first = next(iter(reports.values()))
+            plot_reliability(join(out_dir, f"reliability_{name}_T{T:g}.png"),
+                             {e: conditional(p, first) for e, p in cmp["estimators"].items()}, first,
+                             f"{name} {key}: survival vs realised acceptance ({next(iter(reports))})")
+            result.setdefault(name, {})[key] = cmp
+            text.append(format_tables(name, key, cmp))
+        try:
+            method = "dspark" if architecture(drafter.config) == DSPARK_ARCH else "dflash"
+        except ExportError:
+            continue
+        if name not in result:
+            continue
+        text += ["", f"serving recommendation, {name} (simulated on the SPS curve and the realised decoding blocks):",
+                 recommendation(result[name], method, join(cfg.run_dir, "export", name))]
+    return result, "\n".join(text)
 
 
 def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
@@ -148,8 +210,10 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
     then the decoding loop: tau tables (T in ``evaluate.temperatures``), thresholds, scheduler.
 
     Writes ``<run_dir>/evaluate/`` ``block_table.md``, ``tau_table.md`` (each headed by the thinking
-    mode), ``tau.png``, ``acceptance.png``, ``sps.json``. Prompts are rendered in
-    ``data.render.enable_thinking``'s mode, the drafters' own (a drafter of another mode is refused).
+    mode), ``tau.png``, ``acceptance.png``, ``sps.json``, and the calibration on realised acceptance
+    (:func:`realised_calibration`): ``calibration_table.md`` and ``reliability_<drafter>_T<T>.png``.
+    Prompts are rendered in ``data.render.enable_thinking``'s mode, the drafters' own (a drafter of
+    another mode is refused).
     """
     from pipeline.eval_report import plot_acceptance, tau_table, write_text
     from pipeline.prefill import LayerTap
@@ -168,7 +232,8 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
     if not prompts:
         raise PipelineError("no usable evaluation prompt in data.eval_files")
     stop = {tok.eos_token_id, *np.atleast_1d(model.generation_config.eos_token_id or []).tolist()} - {None}
-    blocks = block_level(cfg, drafters, target_dir) if cfg.evaluate.block_samples else None
+    block_records: dict = {}
+    blocks = block_level(cfg, drafters, target_dir, block_records) if cfg.evaluate.block_samples else None
     mode = f"Prompts and held-out blocks rendered with {thinking_mode(cfg.data.render)}.\n\n"
     if blocks is not None:
         write_text(join(cfg.run_dir, "evaluate", "block_table.md"), mode + blocks["table"])
@@ -215,7 +280,11 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
     write_text(join(out_dir, "tau_table.md"), table)
     plot_acceptance(results, join(out_dir, "acceptance.png"), join(out_dir, "tau.png"))
     print(table, flush=True)
-    return {"blocks": blocks, "prompts": len(prompts), "tasks": sorted({t for t, _ in prompts}), "render_options": render_options(cfg.data.render),
-            "enable_thinking": cfg.data.render.enable_thinking, "results": results, "thresholds": thresholds, "scheduler": scheduler,
+    realised, realised_md = realised_calibration(cfg, drafters, records, block_records, sps)
+    write_text(join(out_dir, "calibration_table.md"), realised_md)
+    print(realised_md, flush=True)
+    return {"blocks": blocks, "realised": realised, "prompts": len(prompts), "tasks": sorted({t for t, _ in prompts}),
+            "render_options": render_options(cfg.data.render), "enable_thinking": cfg.data.render.enable_thinking,
+            "results": results, "thresholds": thresholds, "scheduler": scheduler,
             "sps": {"batch_tokens": sps.batch_tokens.tolist(), "steps_per_s": sps.steps_per_s.tolist(),
                     "source": ev.sps_table or "profiled on this machine"}}

@@ -46,10 +46,14 @@ vanilla Markov head. vLLM rejects unknown tensor names but never reports a missi
 uninitialised), so :func:`check_tensors` checks the key set and shapes derived from ``config.json``
 itself, finiteness, and that no tensor still holds its initial value.
 
-Confidence: vLLM consumes the raw ``sigmoid`` of the confidence head. When all STS temperatures
-agree within ``export.fold_temperature_tolerance`` (``training.sts.foldable_temperature``), their
-geometric mean ``T`` is folded into the head (weight and bias divided by ``T``), so vLLM's raw
-sigmoid is the calibrated one; ``confidence_temperatures`` then holds the residual ``T_k / T``.
+Confidence: vLLM applies the raw ``sigmoid`` of the confidence head (no temperature). The calibrate
+stage's global temperature ``T`` (``training.sts.fit_global_temperature``, the best transform that
+raw sigmoid can express) is folded into the head, weight and bias divided by ``T``
+(:func:`fold_confidence`), so vLLM's raw sigmoid is ``sigmoid(z / T)`` exactly; the per-position STS
+temperatures stay a separate key, ``confidence_temperatures``, as the residual ``T_k / T`` for
+runtimes that read it (``sigmoid(z_folded / (T_k / T)) = sigmoid(z / T_k)``). Reports from before
+the global temperature fall back to folding only when all ``T_k`` agree within
+``export.fold_temperature_tolerance``.
 :func:`load_export` reads either format back into the product's :class:`training.drafter.Drafter`.
 """
 from __future__ import annotations
@@ -409,9 +413,9 @@ def _write(out_url: str, config: dict[str, Any], tensors: Mapping[str, torch.Ten
 
 
 def export_drafter(model, target_dir: str, out_url: str, *, temperatures: Sequence[float] | None = None,
-                   fold_tolerance: float | None = None, initial: Mapping[str, torch.Tensor] | None = None,
-                   fmt: str = "native", verifier: str | None = None, enable_thinking: bool | None = None
-                   ) -> dict[str, Any]:
+                   global_temperature: float | None = None, fold_tolerance: float | None = None,
+                   initial: Mapping[str, torch.Tensor] | None = None, fmt: str = "native",
+                   verifier: str | None = None, enable_thinking: bool | None = None) -> dict[str, Any]:
     """Write ``config.json`` + ``model.safetensors`` of one drafter in format ``fmt`` (module docstring).
 
     Args:
@@ -419,7 +423,9 @@ def export_drafter(model, target_dir: str, out_url: str, *, temperatures: Sequen
         target_dir: local target directory (its ``config.json``, ``embed_tokens``, ``lm_head``).
         out_url: destination folder, any fsspec URL.
         temperatures: STS temperatures [gamma] (``pipeline.calibrate``), or None (uncalibrated).
-        fold_tolerance: fold when ``max(T)/min(T) - 1 <= fold_tolerance``; None never folds.
+        global_temperature: the one temperature to fold into the confidence head (module docstring).
+        fold_tolerance: without ``global_temperature``, fold the geometric mean of ``temperatures``
+            when ``max(T)/min(T) - 1 <= fold_tolerance``; None never folds.
         initial: the state dict of a freshly initialised drafter with the training seed (see
             :func:`check_tensors`); None checks the init constants only.
         fmt: one of :data:`FORMATS`. verifier: the target's name or path for the speculators format
@@ -443,7 +449,9 @@ def export_drafter(model, target_dir: str, out_url: str, *, temperatures: Sequen
     if temperatures is not None and len(temperatures) != gamma:
         raise ExportError(f"got {len(temperatures)} temperatures for block size {gamma}: rerun +stage=calibrate")
     folded = None
-    if temperatures is not None and fold_tolerance is not None and model.confidence_head is not None:
+    if model.confidence_head is not None and global_temperature is not None:
+        folded = float(global_temperature)
+    elif temperatures is not None and fold_tolerance is not None and model.confidence_head is not None:
         folded = foldable_temperature(temperatures, rtol=fold_tolerance)
     config = export_config(fmt, model, target_config, temperatures, folded, verifier or target_dir)
     config["enable_thinking"] = enable_thinking  # which prompts the drafter was trained for
@@ -525,11 +533,12 @@ def _fresh_state(spec, cfg: RunConfig, target_dir: str, d2t) -> dict[str, torch.
 
 
 def _vllm_view(cfg: RunConfig, name: str, info: dict[str, Any]) -> dict[str, Any] | None:
-    """ECE per position of the confidence as vLLM computes it (raw sigmoid of the exported head)."""
+    """ECE per position of the confidence as vLLM computes it (raw sigmoid of the exported head), on the
+    calibrate stage's report half (as its before / after figures)."""
     from pipeline.calibrate import load_confidence
     from training.sts import calibration_report
 
-    data = load_confidence(join(cfg.run_dir, "calibrate", name, "confidence.safetensors"))
+    data = load_confidence(join(cfg.run_dir, "calibrate", name, "confidence.safetensors")).split()[1]
     gamma = data.z.shape[1]
     T = [info["folded_temperature"] or 1.0] * gamma
     report = calibration_report(data.z, data.y, data.valid, T, n_bins=cfg.calibrate.bins)
@@ -572,6 +581,7 @@ def run_export(cfg: RunConfig) -> dict[str, Any]:
         out = join(cfg.run_dir, "export", name)
         info = export_drafter(model, target_dir, out,
                               temperatures=None if report is None else report["temperatures"],
+                              global_temperature=None if report is None else report.get("global_temperature"),
                               fold_tolerance=cfg.export.fold_temperature_tolerance,
                               initial=_fresh_state(spec, cfg, target_dir, getattr(model, "d2t", None)),
                               fmt=cfg.export.format,

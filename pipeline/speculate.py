@@ -43,7 +43,8 @@ def threshold_policy(threshold: float, temperatures: Sequence[float] | None) -> 
 @dataclass
 class Round:
     """One speculation round: drafted ``gamma``, verified ``verified``, accepted ``accepted``
-    (emitted = accepted + 1), the drafter's confidence logits and the seconds spent."""
+    (emitted = accepted + 1), the drafter's confidence logits, the seconds spent and the largest draft
+    probability per slot (``DraftResult.max_q``)."""
 
     gamma: int
     verified: int
@@ -51,6 +52,7 @@ class Round:
     confidence_logits: list[float] | None
     draft_s: float
     verify_s: float
+    max_q: list[float] | None = None
 
 
 @dataclass
@@ -146,7 +148,8 @@ def speculative_decode(model, drafter, prompt: Sequence[int], *, tap: LayerTap,
         target.crop(base + 1 + accepted)  # anchor and accepted drafts stay in the cache
         ctx = drafter.encode_context(feats[: 1 + accepted].to(drafter.fc.weight.dtype), ctx)
         conf = None if draft.confidence_logits is None else draft.confidence_logits.float().tolist()
-        rounds.append(Round(gamma, n_verify, accepted, conf, t1 - t0, time.perf_counter() - t1))
+        max_q = None if draft.max_q is None else draft.max_q.float().tolist()
+        rounds.append(Round(gamma, n_verify, accepted, conf, t1 - t0, time.perf_counter() - t1, max_q))
         for tok in emitted:
             out.append(tok)
             if tok in stop_ids or len(out) >= max_new_tokens:

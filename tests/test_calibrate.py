@@ -94,12 +94,16 @@ def test_calibrate_drafter_recovers_known_temperatures():
     c = torch.rand(4000, 3, generator=g) * 0.9 + 0.05
     valid = torch.ones(4000, 3, dtype=torch.bool)
     valid[:1000, 2] = False
-    report = calibrate_drafter(ConfidenceSet(2 * torch.logit(c), c, valid), n_bins=10, grid_step=0.05)
+    batch = torch.arange(4000) // 100                 # 40 batches: even ones fit, odd ones report
+    report = calibrate_drafter(ConfidenceSet(2 * torch.logit(c), c, valid, batch), n_bins=10, grid_step=0.05)
     assert report["temperatures"] == pytest.approx([2.0, 2.0, 2.0], abs=0.01)
-    assert [p["n"] for p in report["positions"]] == [4000, 4000, 3000]
+    assert report["global_temperature"] == pytest.approx(2.0, abs=0.011)
+    assert report["fit_blocks"] == report["report_blocks"] == 2000
+    assert [p["n"] for p in report["positions"]] == [2000, 2000, 1500]   # the report half only
     assert report["num_blocks"] == 4000 and report["label"] == "expected_acceptance" and report["n_bins"] == 10
+    assert report["sts"]["at_bounds"] == [] and report["sts"]["min_blocks"] == 200
     for p in report["positions"]:
-        assert p["after"]["ece"] < 0.01 < p["before"]["ece"]
+        assert p["after"]["ece"] < 0.01 < p["before"]["ece"] and p["global"]["ece"] < 0.01
 
 
 def test_confidence_set_round_trip():
@@ -132,7 +136,8 @@ def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, t
     out = tmp_path / "run" / "calibrate" / "dspark"
     report = json.loads((out / "report.json").read_text())
     assert len(s["temperatures"]) == 7 and s["temperatures"] == report["temperatures"]
-    assert s["num_blocks"] == report["num_blocks"] == report["positions"][0]["n"] > 0
+    assert s["num_blocks"] == report["num_blocks"] == report["fit_blocks"] + report["report_blocks"]
+    assert report["positions"][0]["n"] == report["report_blocks"] > 0      # reported out-of-sample
     assert s["ece_after"][0] <= s["ece_before"][0]                # position 1: never worse than T = 1
     saved = load_confidence(str(out / "confidence.safetensors"))
     y, valid = saved.y, saved.valid

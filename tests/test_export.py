@@ -109,6 +109,24 @@ def test_reduced_vocabulary_ships_lm_head_d2t_and_t2d(tiny_target_dir, tmp_path)
     assert torch.equal(t["lm_head.weight"], lm_head[drafted])
 
 
+def test_global_temperature_folds_exactly_and_keeps_per_position_temperatures(tiny_target_dir, tmp_path):
+    model = _drafter(tiny_target_dir)
+    T_k, T = [0.8, 1.6, 2.4, 3.1], 1.7                    # spread 4x: the global T still folds
+    info, cfg, t = _export(model, tiny_target_dir, tmp_path / "g", temperatures=T_k, global_temperature=T,
+                           fold_tolerance=0.02)
+    assert info["confidence"] == "folded" and info["folded_temperature"] == cfg["confidence_temperature_folded"] == T
+    assert cfg["confidence_temperatures"] == pytest.approx([x / T for x in T_k])
+    x = torch.randn(64, 72, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 3
+    exported = torch.sigmoid(x @ t["confidence_head.proj.weight"].double().t() + t["confidence_head.proj.bias"].double())
+    head = model.confidence_head.proj
+    trained = x @ head.weight.detach().double().t() + head.bias.detach().double()
+    assert float((exported - torch.sigmoid(trained / T)).abs().max()) < 1e-6       # vLLM's raw sigmoid
+    residual = torch.tensor(cfg["confidence_temperatures"], dtype=torch.float64)
+    z_folded = x @ t["confidence_head.proj.weight"].double().t() + t["confidence_head.proj.bias"].double()
+    assert float((torch.sigmoid(z_folded / residual) - torch.sigmoid(trained / torch.tensor(T_k, dtype=torch.float64))
+                  ).abs().max()) < 1e-6                                         # runtimes reading the key
+
+
 def test_equal_temperatures_fold_into_the_head(tiny_target_dir):
     model = _drafter(tiny_target_dir)
     info = export_drafter(model, tiny_target_dir, "memory://export-fold", temperatures=[1.5, 1.51, 1.49, 1.5],

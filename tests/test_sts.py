@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from training.sts import (apply_temperatures, auc, brier, calibration_report, ece, fit_temperatures,
-                          foldable_temperature, plot_reliability)
+from training.sts import (T_MAX, apply_temperatures, at_bounds, auc, brier, calibration_report, ece,
+                          ece_equal_mass, fit_global_temperature, fit_temperatures, foldable_temperature,
+                          plot_reliability)
 
 LOGIT_06 = math.log(0.6 / 0.4)
 
@@ -104,7 +105,54 @@ def test_valid_mask_uses_prefix_validity():
     assert [p["n"] for p in report["positions"]] == [4_000, 2_000, 2_000]
 
 
+def _realised(n: int, t_true: list[float], seed: int):
+    """0/1 acceptances drawn from ``sigmoid(z_k / T_true,k)``, z ~ N(1, 2^2): the head's logits are
+    miscalibrated by exactly ``T_true``."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, len(t_true), generator=g, dtype=torch.float64) * 2 + 1
+    return z, torch.bernoulli(torch.sigmoid(z / torch.tensor(t_true, dtype=torch.float64)), generator=g)
+
+
+def test_recovers_known_per_position_temperatures_from_realised_outcomes():
+    t_true = [0.6, 1.5, 2.5, 0.8]
+    z, y = _realised(20_000, t_true, seed=0)
+    T = fit_temperatures(z, y)
+    assert torch.allclose(T, torch.tensor(t_true, dtype=torch.float64), rtol=0.10), T
+    assert at_bounds(T) == []
+
+
+def test_thin_position_keeps_previous_temperature():
+    z, y = _realised(4_000, [2.0, 0.5, 3.0], seed=1)
+    valid = torch.ones_like(z, dtype=torch.bool)
+    valid[150:, 2] = False                          # 150 blocks reach position 3 (< MIN_BLOCKS = 200)
+    T = fit_temperatures(z, y, valid)
+    assert T[2] == T[1] and abs(float(T[1]) - 0.5) < 0.1
+    assert fit_temperatures(z, y, valid, min_blocks=100)[2] != T[1]
+    assert fit_temperatures(z[:150], y[:150])[0] == 1.0   # position 1 too thin: T = 1
+
+
+def test_brier_tie_break_keeps_a_flat_ece_from_running_to_the_bound():
+    # conditional acceptance ~0.4 at every position with logits that barely vary: a_3 is nearly
+    # constant, the ECE is flat in T_3 over a wide range and its arg-min is noise
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(3_000, 3, generator=g, dtype=torch.float64) * 0.05 - 0.4
+    y = torch.bernoulli(torch.sigmoid(z), generator=g)
+    T = fit_temperatures(z, y, t_max=20.0)
+    assert at_bounds(T, t_max=20.0) == [] and float(T.max()) < 5
+
+
+def test_global_temperature():
+    z, y = _realised(20_000, [1.7] * 4, seed=2)
+    assert fit_global_temperature(z, y) == pytest.approx(1.7, rel=0.05)
+    c = torch.rand(3_000, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 0.9 + 0.05
+    assert fit_global_temperature(2 * torch.logit(c), c) == pytest.approx(2.0, abs=0.011)
+    assert at_bounds([1.0, T_MAX, 0.1]) == [2, 3]
+
+
 def test_metric_reference_values():
+    assert ece_equal_mass(torch.tensor([0.9, 0.1, 0.8, 0.2], dtype=torch.float64),
+                          torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64), 2) == pytest.approx(0.25)
+    assert math.isnan(ece_equal_mass(torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float64)))
     conf = torch.tensor([0.1, 0.9], dtype=torch.float64)
     label = torch.tensor([0.0, 1.0], dtype=torch.float64)
     assert float(ece(conf, label, 10)) == pytest.approx(0.1)

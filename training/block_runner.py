@@ -23,7 +23,7 @@ BLOCK_EVAL_SEED = 104729  # anchors and uniforms of the block-level evaluation
 
 @torch.no_grad()
 def block_logits(model, batch, anchors: torch.Tensor, keep: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Teacher-forced draft and target logits of ``model``'s blocks at ``anchors``.
 
     Args:
@@ -32,7 +32,8 @@ def block_logits(model, batch, anchors: torch.Tensor, keep: torch.Tensor
     Returns:
         ``q_logits`` [B*N, gamma, V] float32 over the full target vocabulary (``-inf`` outside a
         reduced draft vocabulary), ``p_logits`` [B*N, gamma, V] float32, ``valid`` [B*N, gamma] bool
-        (each block's supervised prefix; all False for dummy anchors).
+        (each block's supervised prefix; all False for dummy anchors), ``confidence`` [B*N, gamma]
+        float32 confidence logits (0 where not valid) or None without a confidence head.
     """
     cfg = model.config
     blocks = build_blocks(batch.input_ids, batch.loss_mask, anchors, keep, block_size=cfg.block_size,
@@ -53,13 +54,17 @@ def block_logits(model, batch, anchors: torch.Tensor, keep: torch.Tensor
     q[slots.block, slots.slot] = logits.float()
     p[slots.block, slots.slot] = target
     valid[slots.block, slots.slot] = True
-    return q, p, valid
+    conf = None
+    if slots.confidence_logits is not None:
+        conf = torch.zeros(n_blocks, gamma)
+        conf[slots.block, slots.slot] = slots.confidence_logits.float()
+    return q, p, valid, conf
 
 
 @torch.no_grad()
 def evaluate_blocks(drafters: Mapping[str, torch.nn.Module], batches: Iterable[Sequence[Mapping]], *,
                     temperatures: Sequence[float], num_anchors: int, seed: int = BLOCK_EVAL_SEED,
-                    tally: PairedTally | None = None) -> PairedTally:
+                    tally: PairedTally | None = None, records: dict | None = None) -> PairedTally:
     """Paired block-level speculative sampling of every drafter on the same held-out blocks.
 
     Args:
@@ -70,6 +75,11 @@ def evaluate_blocks(drafters: Mapping[str, torch.nn.Module], batches: Iterable[S
         seed: anchors and uniforms are a pure function of ``(seed, batch index)``.
         tally: add to this tally (e.g. drafters of an fp8 cache, fed the same samples of that cache:
             the anchors depend only on the loss masks and the seed, so the blocks stay paired).
+        records: if given, ``records[(name, T)]`` collects per-block realised outcomes for the
+            calibration on realised acceptance (:class:`pipeline.realised.Outcomes` fields): lists of
+            ``z`` [n, gamma] confidence logits (drafters with a head), ``max_q`` [n, gamma] (largest
+            draft probability, of ``softmax(q_logits / T)``, at T = 0 of ``softmax(q_logits)``),
+            ``accepted`` [n], ``verified`` [n] (valid prefix length) and ``group`` [n] (batch index).
     Returns:
         a :class:`training.block_eval.PairedTally` (summarise it with
         :func:`training.block_eval.summarise`).
@@ -84,9 +94,18 @@ def evaluate_blocks(drafters: Mapping[str, torch.nn.Module], batches: Iterable[S
         kept = keep.flatten()
         u_draw, u_accept = block_uniforms(seed, i, int(kept.sum()), max_gamma)
         for name, model in drafters.items():
-            q, p, valid = block_logits(model, batch, anchors, keep)
+            q, p, valid, conf = block_logits(model, batch, anchors, keep)
             q, p, valid = q[kept], p[kept], valid[kept]
             g = model.config.block_size
             for T in temperatures:
-                tally.add(name, T, speculative_outcomes(q, p, valid, u_draw[:, :g], u_accept[:, :g], T))
+                out = speculative_outcomes(q, p, valid, u_draw[:, :g], u_accept[:, :g], T)
+                tally.add(name, T, out)
+                if records is not None and conf is not None:
+                    rec = records.setdefault((name, float(T)), {k: [] for k in ("z", "max_q", "accepted",
+                                                                                "verified", "group")})
+                    rec["z"].append(conf[kept])
+                    rec["max_q"].append(torch.softmax(q / (T if T > 0 else 1.0), dim=-1).amax(-1))
+                    rec["accepted"].append(out["accepted"].cpu())
+                    rec["verified"].append(valid.sum(-1))
+                    rec["group"].append(torch.full((int(kept.sum()),), i, dtype=torch.long))
     return tally

@@ -117,11 +117,15 @@ class DraftResult:
         tokens: [gamma] int64 target ids. q: [gamma, V] float32 exact draft distribution of each slot
             (after temperature, zero outside a reduced draft vocabulary; one-hot at T = 0).
         confidence_logits: [gamma] float32 or None (no confidence head); ``c_k = sigmoid``.
+        max_q: [gamma] float32, the largest draft probability of each slot (the feature of the max-q
+            acceptance estimator, :mod:`training.maxq`): of ``q`` at T > 0, of ``softmax`` of the
+            unscaled logits at T = 0 (where ``q`` is one-hot).
     """
 
     tokens: torch.Tensor
     q: torch.Tensor
     confidence_logits: torch.Tensor | None
+    max_q: torch.Tensor | None = None
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -385,7 +389,20 @@ class Drafter(nn.Module):
         tokens, q, prev = sample_sequential(base, h, anchor, self.markov_head, temperature, generator,
                                             self.draft_to_target)
         conf = self._confidence(h, prev)
+        max_q = q.amax(-1) if temperature > 0 else self._unscaled_max_q(base, h, prev)
         if self.draft_to_target is not None:
             full = q.new_zeros(1, gamma, self.embed_tokens.num_embeddings)
             q = full.index_copy_(2, self.draft_to_target, q)
-        return DraftResult(tokens[0], q[0], None if conf is None else conf[0])
+        return DraftResult(tokens[0], q[0], None if conf is None else conf[0], max_q[0].float())
+
+    def _unscaled_max_q(self, base: torch.Tensor, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """``max softmax(U_k + B_k(x_<k))`` per slot [1, gamma]: the head's biases replayed on the drawn
+        ``x_<k`` (``prev`` [1, gamma] target ids), as :func:`training.heads.sample_sequential` built them."""
+        logits = base.float()
+        if self.markov_head is not None:
+            state, biases = None, []
+            for k in range(base.shape[1]):
+                u, state = self.markov_head.step(state, prev[:, k], h[:, k])
+                biases.append(self.markov_head.bias(u).float())
+            logits = logits + torch.stack(biases, 1)
+        return torch.softmax(logits, dim=-1).amax(-1)

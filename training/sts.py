@@ -3,8 +3,11 @@
 DSpark (confidence-scheduled verification, STS): the confidence head emits one logit ``z_k`` per block
 position k = 1..gamma; the calibrated conditional acceptance is ``c_k = sigmoid(z_k / T_k)`` and the
 prefix survival is ``a_k = prod_{i<=k} c_i``. STS fits ``T_1, ..., T_gamma`` left to right, each by a
-1-D search minimising the expected calibration error (ECE, equal-width bins) of ``a_k`` against the
-cumulative label ``prod_{i<=k} y_i``, with the earlier temperatures fixed. Labels ``y`` are either the
+1-D search over a bounded grid ``[T_MIN, T_MAX]`` for the expected calibration error (ECE, equal-width
+bins) of ``a_k`` against the cumulative label ``prod_{i<=k} y_i``, with the earlier temperatures fixed;
+where the ECE is flat (within ``ECE_TOL`` of its minimum) the Brier score decides, and a position with
+fewer than ``MIN_BLOCKS`` rows keeps the previous position's temperature (:func:`fit_temperatures`).
+:func:`fit_global_temperature` fits the one temperature that folds into the head's weight and bias. Labels ``y`` are either the
 expected conditional acceptance ``c*_k = 1 - 0.5 ||p_d - p_t||_1`` in [0, 1] or realised 0/1
 acceptance indicators; for prefix-closed 0/1 survival indicators the cumulative product is the
 indicator itself, so one formula serves both.
@@ -21,8 +24,13 @@ import fsspec
 import numpy as np
 import torch
 
-__all__ = ["apply_temperatures", "reliability_bins", "ece", "brier", "auc", "fit_temperatures",
+__all__ = ["T_MIN", "T_MAX", "ECE_TOL", "MIN_BLOCKS", "apply_temperatures", "reliability_bins", "ece",
+           "ece_equal_mass", "brier", "auc", "fit_temperatures", "fit_global_temperature", "at_bounds",
            "calibration_report", "foldable_temperature", "plot_reliability"]
+
+T_MIN, T_MAX = 0.1, 10.0   # STS search range: a temperature outside it means a head to retrain, not to rescale
+ECE_TOL = 0.002            # ECE-flat band (absolute) within which the Brier score decides
+MIN_BLOCKS = 200           # least valid blocks to fit a position's temperature
 
 
 def _check_inputs(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor | None
@@ -114,6 +122,29 @@ def ece(conf: torch.Tensor, label: torch.Tensor, n_bins: int = 15) -> torch.Tens
     return (sum_conf - sum_label).abs().sum(-1) / conf.shape[-1]
 
 
+def ece_equal_mass(conf: torch.Tensor, label: torch.Tensor, n_bins: int = 15) -> float:
+    """ECE with equal-mass (quantile) bins: sort by ``conf``, split into ``n_bins`` near-equal groups
+    (``torch.tensor_split``), ``sum_b (n_b / N) |mean_conf_b - mean_label_b|`` (Nixon et al. 2019, "adaptive"
+    calibration error). Less sensitive than equal-width bins when the confidences crowd a few bins.
+
+    Args:
+        conf: [N] float64 probabilities; label: [N] float64 in [0, 1]; n_bins: groups (>= 1).
+    Returns:
+        ECE (float) in [0, 1]; NaN when N == 0.
+    Raises:
+        ValueError: ``n_bins < 1``.
+    """
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be >= 1, got {n_bins}")
+    if conf.numel() == 0:
+        return math.nan
+    order = torch.argsort(conf, stable=True)
+    c, lab = conf[order].double(), label[order].double()
+    total = sum(float((cb.sum() - lb.sum()).abs()) for cb, lb in
+                zip(torch.tensor_split(c, n_bins), torch.tensor_split(lab, n_bins)))
+    return total / conf.numel()
+
+
 def brier(conf: torch.Tensor, label: torch.Tensor) -> float:
     """Brier score ``mean((conf - label)^2)`` over N items (float64 [N] each); NaN when N == 0."""
     return float(((conf - label) ** 2).mean()) if conf.numel() else math.nan
@@ -146,45 +177,59 @@ def _search_grid(t_min: float, t_max: float, step: float) -> torch.Tensor:
     return torch.unique(torch.cat([grid, torch.ones(1, dtype=torch.float64)]))
 
 
-def _best(temps: torch.Tensor, prev: torch.Tensor, zk: torch.Tensor, label: torch.Tensor,
-          n_bins: int, chunk: int = 2_000_000) -> float:
-    """Return the T minimising ECE of ``prev * sigmoid(zk / T)`` over ``temps``; ties -> T nearest 1."""
+def _scores(temps: torch.Tensor, prev: torch.Tensor, zk: torch.Tensor, label: torch.Tensor,
+            n_bins: int, chunk: int = 2_000_000) -> tuple[torch.Tensor, torch.Tensor]:
+    """ECE and Brier of ``prev * sigmoid(zk / T)`` against ``label`` for every T in ``temps`` ([G] each)."""
     rows = max(1, chunk // max(1, zk.numel()))
-    errs = torch.cat([ece(prev * torch.sigmoid(zk / temps[i:i + rows, None]), label, n_bins)
-                      for i in range(0, temps.numel(), rows)])
-    best = errs.min()
-    ties = torch.nonzero(errs <= best + 1e-12).flatten()
-    pick = ties[torch.argmin(temps[ties].log().abs())]
-    return float(temps[pick])
+    errs, briers = [], []
+    for i in range(0, temps.numel(), rows):
+        a = prev * torch.sigmoid(zk / temps[i:i + rows, None])
+        errs.append(ece(a, label, n_bins))
+        briers.append(((a - label) ** 2).mean(-1))
+    return torch.cat(errs), torch.cat(briers)
+
+
+def _select(temps: torch.Tensor, errs: torch.Tensor, briers: torch.Tensor, ece_tol: float) -> float:
+    """The T of least Brier among those whose ECE is within ``ece_tol`` of the least ECE; ties -> T nearest 1."""
+    near = torch.nonzero(errs <= errs.min() + ece_tol + 1e-12).flatten()
+    best = briers[near].min()
+    ties = near[briers[near] <= best + 1e-15]
+    return float(temps[ties[torch.argmin(temps[ties].log().abs())]])
 
 
 def fit_temperatures(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor | None = None, *,
-                     n_bins: int = 15, t_min: float = 0.05, t_max: float = 20.0,
-                     grid_step: float = 0.05, refine: bool = True) -> torch.Tensor:
-    """Fit per-position temperatures by sequential temperature scaling (DSpark STS).
+                     n_bins: int = 15, t_min: float = T_MIN, t_max: float = T_MAX,
+                     grid_step: float = 0.05, refine: bool = True, ece_tol: float = ECE_TOL,
+                     min_blocks: int = MIN_BLOCKS) -> torch.Tensor:
+    """Fit per-position temperatures by sequential temperature scaling (DSpark STS), with guards.
 
-    For k = 1..gamma, with ``T_1..T_{k-1}`` fixed: ``T_k = argmin_T ECE(a_{k-1} * sigmoid(z_k / T),
-    prod_{i<=k} y_i)`` over a grid ``t_min, t_min + grid_step, ..., t_max`` (plus T = 1), then, if
-    ``refine``, over a grid of step ``grid_step / 10`` within one coarse step of the best point. Ties
-    go to the T nearest 1, so a position whose ECE is flat in T keeps T = 1. Since T = 1 is always a
-    candidate, the fitted position's ECE is never above its ECE at ``T_k = 1`` with the same
-    ``T_{<k}``; ``T_k`` depends on positions ``<= k`` only, so fitting k never changes ``T_{<k}``.
+    For k = 1..gamma, with ``T_1..T_{k-1}`` fixed, each candidate T on the grid ``t_min, t_min +
+    grid_step, ..., t_max`` (plus T = 1; then, if ``refine``, a grid of step ``grid_step / 10`` within
+    one coarse step of the pick) gets the ECE (equal-width bins) and the Brier score of
+    ``a_{k-1} * sigmoid(z_k / T)`` against ``prod_{i<=k} y_i``. The pick is the least Brier among the
+    candidates whose ECE is within ``ece_tol`` of the least ECE (ties: T nearest 1). Why: ECE alone
+    is flat in T where the survival spread is small, and its arg-min then runs to a grid bound; the
+    Brier score is a proper scoring rule (Gneiting & Raftery 2007), so within the ECE-flat band it
+    prefers the true temperature. A position with fewer than ``min_blocks`` valid rows keeps the
+    previous position's temperature (position 1: T = 1), so a thin tail of long blocks cannot move it.
+    ``T_k`` depends on positions ``<= k`` only, so fitting k never changes ``T_{<k}``.
 
     Args:
         z: confidence logits [N, gamma], float. y: labels [N, gamma], float in [0, 1] (expected
             acceptance c*_k, or 0/1 acceptance / prefix-survival indicators).
         valid: bool [N, gamma] or None (all valid); a row counts at k only if valid at all ``i <= k``.
         n_bins: ECE bin count. t_min, t_max, grid_step: search range and coarse step (unitless).
-        refine: add the fine local grid.
+        refine: add the fine local grid. ece_tol: width of the ECE-flat band (absolute, >= 0; 0 = pure
+            ECE arg-min). min_blocks: least valid rows to fit a position (>= 1).
     Returns:
-        temperatures [gamma], float64, each in [min(t_min, 1), max(t_max, 1)]; a position with no valid
-        row keeps T = 1.
+        temperatures [gamma], float64, each in [min(t_min, 1), max(t_max, 1)].
     Raises:
         ValueError: bad shapes, labels outside [0, 1], non-finite logits, or a bad search range.
     """
-    if not (0 < t_min < t_max) or grid_step <= 0:
-        raise ValueError(f"need 0 < t_min < t_max and grid_step > 0, got t_min={t_min}, t_max={t_max}, "
-                         f"grid_step={grid_step}")
+    if not (0 < t_min < t_max) or grid_step <= 0 or ece_tol < 0 or min_blocks < 1:
+        raise ValueError(f"need 0 < t_min < t_max, grid_step > 0, ece_tol >= 0, min_blocks >= 1; got "
+                         f"t_min={t_min}, t_max={t_max}, grid_step={grid_step}, ece_tol={ece_tol}, "
+                         f"min_blocks={min_blocks}")
     z64, y64, cum_valid = _check_inputs(z, y, valid)
     grid = _search_grid(t_min, t_max, grid_step)
     gamma = z64.shape[1]
@@ -193,31 +238,95 @@ def fit_temperatures(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor | Non
     prev = torch.ones(z64.shape[0], dtype=torch.float64)      # a_{k-1} with fitted T_{<k}
     for k in range(gamma):
         rows = cum_valid[:, k]
-        if rows.any():
+        if int(rows.sum()) < min_blocks:
+            temps[k] = temps[k - 1] if k else 1.0
+        else:
             zk, p, lab = z64[rows, k], prev[rows], cum_label[rows, k]
-            t = _best(grid, p, zk, lab, n_bins)
+            t = _select(grid, *_scores(grid, p, zk, lab, n_bins), ece_tol)
             if refine:
                 fine = t + grid_step / 10 * torch.arange(-10, 11, dtype=torch.float64)
                 inside = (fine >= min(t_min, 1.0)) & (fine <= max(t_max, 1.0))
-                fine = torch.cat([fine[inside], torch.tensor([t], dtype=torch.float64)])
-                t = _best(fine, p, zk, lab, n_bins)
+                fine = torch.unique(torch.cat([fine[inside], torch.tensor([t], dtype=torch.float64)]))
+                t = _select(fine, *_scores(fine, p, zk, lab, n_bins), ece_tol)
             temps[k] = t
         prev = prev * torch.sigmoid(z64[:, k] / temps[k])
     return temps
 
 
+def fit_global_temperature(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor | None = None, *,
+                           n_bins: int = 15, t_min: float = T_MIN, t_max: float = T_MAX,
+                           grid_step: float = 0.01, ece_tol: float = ECE_TOL) -> float:
+    """One temperature for every position: the transform a runtime applying the raw head can express.
+
+    Each T on a coarse grid ``t_min..t_max`` (step ``max(grid_step, 0.05)``, plus T = 1), then on a grid of
+    step ``grid_step`` within one coarse step of the pick, scores the survival
+    ``a_k = prod_{i<=k} sigmoid(z_i / T)`` against ``prod_{i<=k} y_i`` by the row-weighted mean over
+    positions of the per-position ECE and of the Brier score; the pick is the least Brier among the
+    T whose mean ECE is within ``ece_tol`` of the least (as :func:`fit_temperatures`).
+
+    Args:
+        z, y, valid: as in :func:`fit_temperatures` ([N, gamma]). n_bins, t_min, t_max, grid_step,
+            ece_tol: as there.
+    Returns:
+        T (float) in [min(t_min, 1), max(t_max, 1)]; 1.0 when no row is valid.
+    Raises:
+        ValueError: as :func:`fit_temperatures`.
+    """
+    if not (0 < t_min < t_max) or grid_step <= 0 or ece_tol < 0:
+        raise ValueError(f"need 0 < t_min < t_max, grid_step > 0, ece_tol >= 0; got t_min={t_min}, "
+                         f"t_max={t_max}, grid_step={grid_step}, ece_tol={ece_tol}")
+    z64, y64, cum_valid = _check_inputs(z, y, valid)
+    if not cum_valid.any():
+        return 1.0
+    cum_label = torch.cumprod(y64, dim=1)
+    n = cum_valid.sum(0).double()
+
+    def scores(temps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        errs = torch.zeros(temps.numel(), dtype=torch.float64)
+        briers = torch.zeros(temps.numel(), dtype=torch.float64)
+        rows_per = max(1, 4_000_000 // max(1, z64.numel()))
+        for i in range(0, temps.numel(), rows_per):
+            t = temps[i:i + rows_per]
+            a = torch.cumprod(torch.sigmoid(z64[None] / t[:, None, None]), dim=2)     # [g, N, gamma]
+            for k in range(z64.shape[1]):
+                rows = cum_valid[:, k]
+                if rows.any():
+                    ak, lab = a[:, rows, k], cum_label[rows, k]
+                    errs[i:i + rows_per] += n[k] * ece(ak, lab, n_bins)
+                    briers[i:i + rows_per] += ((ak - lab) ** 2).sum(-1)
+        return errs / n.sum(), briers / n.sum()
+
+    coarse_step = max(grid_step, 0.05)
+    t = _select(grid := _search_grid(t_min, t_max, coarse_step), *scores(grid), ece_tol)
+    fine = t + grid_step * torch.arange(-round(coarse_step / grid_step), round(coarse_step / grid_step) + 1,
+                                        dtype=torch.float64)
+    fine = torch.unique(torch.cat([fine[(fine >= min(t_min, 1.0)) & (fine <= max(t_max, 1.0))],
+                                   torch.tensor([t], dtype=torch.float64)]))
+    return _select(fine, *scores(fine), ece_tol)
+
+
+def at_bounds(T: torch.Tensor | list[float], t_min: float = T_MIN, t_max: float = T_MAX,
+              rtol: float = 1e-6) -> list[int]:
+    """1-based positions whose temperature sits at a search bound (within ``rtol``): a fit to inspect."""
+    return [k + 1 for k, t in enumerate(torch.as_tensor(T, dtype=torch.float64).tolist())
+            if abs(t - t_min) <= rtol * t_min or abs(t - t_max) <= rtol * t_max]
+
+
 def _position_metrics(a: torch.Tensor, label: torch.Tensor, n_bins: int, threshold: float) -> dict:
-    """ECE / Brier / AUC of survival ``a`` [n] against cumulative label [n]; AUC NaN -> None (JSON)."""
+    """ECE (equal-width and equal-mass bins) / Brier / AUC of survival ``a`` [n] against the cumulative
+    label [n]; undefined values -> None (JSON)."""
     area = auc(a, label >= threshold)
     return {"ece": float(ece(a, label, n_bins)) if a.numel() else None,
+            "ece_mass": ece_equal_mass(a, label, n_bins) if a.numel() else None,
             "brier": brier(a, label) if a.numel() else None,
             "auc": None if math.isnan(area) else area}
 
 
 def calibration_report(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor | None,
                        T: torch.Tensor | list[float], *, n_bins: int = 15,
-                       auc_threshold: float = 0.5) -> dict:
-    """Per-position calibration of the survival ``a_k`` before (all T = 1) and after STS.
+                       auc_threshold: float = 0.5, global_temperature: float | None = None) -> dict:
+    """Per-position calibration of the survival ``a_k`` before (all T = 1) and after STS (and, given
+    ``global_temperature``, with that one temperature at every position: key ``"global"``).
 
     Args:
         z, y, valid: as in :func:`fit_temperatures` ([N, gamma]). T: temperatures [gamma].
@@ -225,7 +334,7 @@ def calibration_report(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor | N
             for AUC (exact for 0/1 labels).
     Returns:
         JSON-able dict: ``{"n_bins", "temperatures": [gamma floats], "positions": [{"k": 1-based,
-        "n": rows, "before": {"ece", "brier", "auc"}, "after": {...}}]}``; a metric that is undefined
+        "n": rows, "before": {"ece", "ece_mass", "brier", "auc"}, "after": {...}}]}``; a metric that is undefined
         (no rows, or AUC with one class) is ``None``.
     Raises:
         ValueError: as :func:`fit_temperatures`, or bad temperatures.
@@ -235,6 +344,7 @@ def calibration_report(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor | N
     cum_label = torch.cumprod(y64, dim=1)
     a_before = torch.cumprod(torch.sigmoid(z64), dim=1)
     a_after = torch.cumprod(torch.sigmoid(z64 / T), dim=1)
+    a_global = None if global_temperature is None else torch.cumprod(torch.sigmoid(z64 / global_temperature), 1)
     positions = []
     for k in range(z64.shape[1]):
         rows = cum_valid[:, k]
@@ -242,6 +352,8 @@ def calibration_report(z: torch.Tensor, y: torch.Tensor, valid: torch.Tensor | N
         positions.append({"k": k + 1, "n": int(rows.sum()),
                           "before": _position_metrics(a_before[rows, k], lab, n_bins, auc_threshold),
                           "after": _position_metrics(a_after[rows, k], lab, n_bins, auc_threshold)})
+        if a_global is not None:
+            positions[-1]["global"] = _position_metrics(a_global[rows, k], lab, n_bins, auc_threshold)
     return {"n_bins": n_bins, "temperatures": [float(t) for t in T], "positions": positions}
 
 

@@ -1,0 +1,55 @@
+"""Calibration on realised acceptance: estimators fitted on one split, scored and simulated on another."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pipeline.realised import Outcomes, compare, format_tables, from_rounds, plot_reliability, recommendation
+from pipeline.scheduler import SPSCurve
+from pipeline.speculate import Decoded, Round
+
+
+def _outcomes(n: int, seed: int, t_true: float = 2.0) -> Outcomes:
+    """Blocks whose acceptance is ``sigmoid(z / t_true)`` (a head twice too sharp) and whose max q
+    carries the same information: ``logit(max q) = z / t_true``."""
+    g = torch.Generator().manual_seed(seed)
+    gamma = 4
+    z = torch.randn(n, gamma, generator=g, dtype=torch.float64) * 2 + 1.5
+    c = torch.sigmoid(z / t_true)
+    acc = torch.bernoulli(c, generator=g).cumprod(1).sum(1).long()
+    return Outcomes(z, c.clone(), acc, torch.full((n,), gamma), torch.arange(n) // 50)
+
+
+def test_fitted_estimators_beat_the_raw_head_out_of_sample(tmp_path):
+    fit, held = _outcomes(4_000, 0).split()
+    sps = SPSCurve([1, 16, 64, 256, 1024], [300, 280, 200, 80, 20])
+    cmp = compare(fit, {"held": held}, sps, concurrency=[1, 64], export_temperature=1.0, seed=0)
+    est = cmp["estimators"]
+    assert est["global T"]["T"][0] == pytest.approx(2.0, rel=0.1)
+    assert est["STS"]["T"][0] == pytest.approx(2.0, rel=0.1)
+    assert est["max-q"]["a"] == pytest.approx([1.0] * 4, abs=0.15)
+    m = cmp["metrics"]["held"]
+    for k in range(4):
+        assert m["STS"][k]["ece_mass"] < m["raw"][k]["ece_mass"] and m["max-q"][k]["ece_mass"] < m["raw"][k]["ece_mass"]
+    assert m["raw"][0]["auc"] == pytest.approx(m["STS"][0]["auc"])          # k = 1: a monotone map keeps the ranking
+    assert m["export"] == m["raw"]                                         # export T = 1: the raw head
+    sim = cmp["simulation"]
+    assert sim["blocks"] == held.num_blocks and set(sim["best_fixed"]) == {"1", "64"}
+    assert all(sim[e]["64"]["tokens_per_s"] > 0 for e in ("raw", "STS", "max-q"))
+    json.dumps(cmp, allow_nan=False)
+    text = format_tables("dspark", "T=1", cmp) + recommendation({"T=1": cmp}, "dspark", "runs/x/export/dspark")
+    assert "| 64 |" in text and '"num_speculative_tokens": ' in text
+    png = plot_reliability(str(tmp_path / "r.png"), {"raw": torch.sigmoid(held.z)}, held, "t")
+    assert open(png, "rb").read()[:4] == b"\x89PNG"
+
+
+def test_from_rounds_keeps_rounds_with_a_head():
+    r = Round(3, 3, 1, [0.5, 0.1, -1.0], 0.0, 0.0, [0.9, 0.5, 0.4])
+    o = from_rounds([Decoded([1], [r, Round(3, 3, 2, None, 0.0, 0.0, None)]), Decoded([2], [r])])
+    assert o.num_blocks == 2 and o.group.tolist() == [0, 1] and o.accepted.tolist() == [1, 1]
+    y, valid = o.labels()
+    assert y[0].tolist() == [1.0, 0.0, 0.0] and bool(valid.all())
+    with pytest.raises(ValueError, match="confidence head"):
+        from_rounds([Decoded([1], [Round(3, 3, 2, None, 0.0, 0.0, None)])])
