@@ -1,10 +1,10 @@
 """Decoding-loop tau precise enough to compare with the block-level tau: the evaluate stage of a
 finished demo run again, on many more held-out prompts, side by side with its block-level figures.
 
-Reads a finished demo run (``make demo`` writes ``runs/tiny``), links its cache, trained drafters
-and calibration into a run folder beside it (``-decoding``) and runs ``+stage=evaluate`` there with
+Reads a finished demo run (``make demo`` writes ``runs/tiny``), links its cache and trained drafters
+into a run folder beside it (``-decoding``), calibrates them there and runs ``+stage=evaluate`` with
 ``evaluate.num_prompts`` raised (400: every prompt of the embedded held-out file) and no threshold
-runs. Prints, for each temperature and drafter, the decoding-loop tau with its prompt-clustered SE
+runs (the realised-outcome calibration tables come with it). Prints, for each temperature and drafter, the decoding-loop tau with its prompt-clustered SE
 and the block-level tau with its SE, the difference and its z-score
 (``(a - b) / sqrt(se_a^2 + se_b^2)``; the two estimates use disjoint data, so they are independent).
 
@@ -29,19 +29,20 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=400)
     args = ap.parse_args()
     run = Path(args.run).resolve()
-    if not (run / "calibrate").exists():
-        sys.exit(f"{run} holds no calibrated drafters: run `make demo` first (or pass --run)")
+    if not (run / "train").exists():
+        sys.exit(f"{run} holds no trained drafters: run `make demo` first (or pass --run)")
     out = run.parent / f"{run.name}-decoding"
     out.mkdir(exist_ok=True)
-    for part in ("cache", "train", "calibrate"):
+    for part in ("cache", "train"):
         if not (out / part).exists():
             (out / part).symlink_to(run / part)
     from pipeline.run import DEFAULT_CONFIG
 
-    if not (out / "evaluate" / "summary.json").exists():
-        subprocess.run([sys.executable, "-m", "pipeline.run", "+stage=evaluate", str(DEFAULT_CONFIG),
-                        f"run_dir={out}", f"evaluate.num_prompts={args.prompts}", "evaluate.thresholds=[]"],
-                       check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    for stage in ("calibrate", "evaluate"):
+        if not (out / stage / "summary.json").exists():
+            subprocess.run([sys.executable, "-m", "pipeline.run", f"+stage={stage}", str(DEFAULT_CONFIG),
+                            f"run_dir={out}", f"evaluate.num_prompts={args.prompts}", "evaluate.thresholds=[]"],
+                           check=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     s = json.loads((out / "evaluate" / "summary.json").read_text())
     print(f"\n{s['prompts']} prompts; block level: {s['blocks']['drafters'][next(iter(s['blocks']['drafters']))]['0.0']['n']} "
           "paired held-out blocks\n")
