@@ -83,14 +83,14 @@ def data_file(n: int, folder: str) -> str:
 
 def run_command(name: str, url: str, data: str, cursor: str) -> None:
     """One command, as the product runs it (called in a fresh process)."""
-    from ops import compare, inspect, verify
+    from ops import compare, listing, verify
 
     if name == "ls":
-        inspect.ls(url)
+        listing.ls(url)
     elif name == "stat":
-        inspect.stat(url)
+        listing.stat(url)
     elif name == "du":
-        inspect.du(url)
+        listing.du(url)
     elif name in ("verify", "verify_resumed"):
         report, _ = verify.verify(url, workers=4, cursor=cursor, restart=name == "verify", progress=False)
         assert report["ok"] and report["verified_now"] == (report["shards"] if name == "verify" else 0), report
@@ -267,7 +267,7 @@ def main() -> None:
     from storage import configure_storage
 
     configure_storage()
-    import ops.compare, ops.inspect, ops.verify, pipeline.cache, pipeline.run, training.data  # noqa: F401,E401
+    import ops.compare, ops.listing, ops.verify, pipeline.cache, pipeline.run, training.data  # noqa: F401,E401
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.local:

@@ -207,7 +207,7 @@ def qwen3_target_dir(tmp_path_factory, tiny_qwen3, qwen3_tokenizer) -> str:
 
 @pytest.mark.integration
 def test_cache_stage_on_reasoning_data_supervises_the_think_block(ray_local, qwen3_target_dir, tmp_path):
-    from ops import inspect
+    from ops import sample as ops_sample
     from pipeline.cache import cache_url, run_cache
     from pipeline.run import DEFAULT_CONFIG, load_config
 
@@ -216,13 +216,13 @@ def test_cache_stage_on_reasoning_data_supervises_the_think_block(ray_local, qwe
                                        "cache.rows_per_shard=8", "data.min_loss_tokens=1"])
     s = run_cache(cfg)
     assert s["samples"] == 5 and s["skipped_rows"] == {}  # both forms, multi-turn: nothing skipped
-    payload, rc = inspect.sample(cache_url(cfg), None, (0, 0), qwen3_target_dir, None, 3)
+    payload, rc = ops_sample.sample(cache_url(cfg), None, (0, 0), qwen3_target_dir, None, 3)
     assert rc == 0 and payload["tokenizer_matches_cache"] is True
     supervised = [seg["text"] for seg in payload["segments"] if seg["supervised"]]
     assert supervised == QWEN3_SUPERVISED["r1"]
-    view = inspect.render_sample(payload)
+    view = ops_sample.render_sample(payload)
     assert "<think>\n<<The last answer was 5, and 5 times 4 is 20.\n</think>\n\n20<|im_end|>>>" in view
-    inline, _ = inspect.sample(cache_url(cfg), None, (0, 1), qwen3_target_dir, None, 3)  # r2: inline form
+    inline, _ = ops_sample.sample(cache_url(cfg), None, (0, 1), qwen3_target_dir, None, 3)  # r2: inline form
     assert [seg["text"] for seg in inline["segments"] if seg["supervised"]] == QWEN3_SUPERVISED["r2"]
 
 
