@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cache_schema.layout import FEATURE_DTYPES
+from cache_schema.layout import FEATURE_DTYPES, array_specs
 
-_BF16 = 2
-_PER_TOKEN_FIXED = 4 + 1          # input_ids int32 + loss_mask uint8
-_PER_SAMPLE = 8 + 8 + 4 + 8       # offsets int64, sup_offsets int64, source int32, row int64
+
+def _payload_bytes(num_samples: int, num_tokens: int, num_hidden_rows: int, **kw) -> int:
+    return sum(dtype.itemsize * math.prod(shape)
+               for dtype, shape in array_specs(num_samples, num_tokens, num_hidden_rows, **kw).values())
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,12 @@ def estimate_cache_bytes(num_tokens: int, *, hidden_size: int, num_target_layers
         raise ValueError("need num_tokens, num_samples >= 0 and hidden_size, num_target_layers >= 1")
     if not 0.0 <= supervised_fraction <= 1.0:
         raise ValueError(f"supervised_fraction must be in [0, 1], got {supervised_fraction}")
-    width = num_target_layers * hidden_size
-    features = _BF16 * width if feature_dtype == "bf16" else width + 4
-    per_token = _PER_TOKEN_FIXED + features + supervised_fraction * _BF16 * hidden_size
+    kw = dict(feature_width=num_target_layers * hidden_size, hidden_size=hidden_size, feature_dtype=feature_dtype)
+    base = _payload_bytes(0, 0, 0, **kw)  # the two offsets arrays' leading 0
+    per_token = _payload_bytes(0, 1, 0, **kw) - base + supervised_fraction * (_payload_bytes(0, 0, 1, **kw) - base)
+    per_sample = _payload_bytes(1, 0, 0, **kw) - base
     return SizeEstimate(bytes_per_token=per_token,
-                        total_bytes=math.ceil(num_tokens * per_token + num_samples * _PER_SAMPLE))
+                        total_bytes=math.ceil(num_tokens * per_token + num_samples * per_sample))
 
 
 def shard_overhead_bytes(*, hidden_size: int, target_layer_ids: tuple[int, ...], feature_dtype: str = "bf16",

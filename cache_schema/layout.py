@@ -279,6 +279,28 @@ def _offsets(lengths: list[int]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
 
 
+def array_specs(num_samples: int, num_tokens: int, num_hidden_rows: int, *, feature_width: int,
+                hidden_size: int, feature_dtype: str) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Stored dtype and shape of every array of one shard group: the schema-1 layout's one statement
+    (:func:`encode_shard` writes it, ``ops verify`` checks it, :mod:`cache_schema.estimate` sizes it).
+
+    Args:
+        num_samples, num_tokens, num_hidden_rows: n samples, T tokens, T_sup last-hidden rows.
+        feature_width, hidden_size: W = L*H and H. feature_dtype: "bf16" or "fp8_e4m3".
+    Returns:
+        array name -> (numpy dtype, shape).
+    """
+    n, t, t_sup = num_samples, num_tokens, num_hidden_rows
+    fp8 = feature_dtype == "fp8_e4m3"
+    out = {INPUT_IDS: (np.int32, (t,)), LOSS_MASK: (np.uint8, (t,)),
+           FEATURES: (np.uint8 if fp8 else np.uint16, (t, feature_width)),
+           LAST_HIDDEN: (np.uint16, (t_sup, hidden_size)), OFFSETS: (np.int64, (n + 1,)),
+           SUP_OFFSETS: (np.int64, (n + 1,)), SOURCE: (np.int32, (n,)), ROW: (np.int64, (n,))}
+    if fp8:
+        out[FEATURE_SCALE] = (np.float32, (t,))
+    return {k: (np.dtype(d), s) for k, (d, s) in out.items()}
+
+
 def encode_shard(samples: list[CacheSample], *, feature_dtype: str, feature_width: int,
                  hidden_size: int) -> EncodedShard:
     """Concatenate validated samples into the flat token-major arrays of one shard group.
@@ -309,6 +331,10 @@ def encode_shard(samples: list[CacheSample], *, feature_dtype: str, feature_widt
     group = {"schema_version": SCHEMA_VERSION,
              ATTR_SAMPLE_IDS: [s.sample_id for s in samples],
              ATTR_CONTENT_HASHES: [s.content_hash for s in samples]}
+    specs = array_specs(len(samples), len(arrays[INPUT_IDS]), len(arrays[LAST_HIDDEN]), feature_width=feature_width,
+                        hidden_size=hidden_size, feature_dtype=feature_dtype)
+    got = {k: (a.dtype, a.shape) for k, a in arrays.items()}
+    assert got == specs, f"encode_shard disagrees with array_specs: {got} != {specs}"
     return EncodedShard(arrays, attrs, group)
 
 

@@ -15,9 +15,9 @@ from dataclasses import asdict
 from typing import Any
 
 from cache_schema import StorageConfig, estimate_cache_bytes, shard_overhead_bytes
+from cache_schema.layout import array_specs
 from cache_schema.writer import expected_objects
 from ops.report import human_bytes, key_values, table
-from ops.verify import array_specs
 
 ROOT_OBJECTS = 2  # fingerprint.json, and summary.json that the cache stage writes into the root
 

@@ -36,7 +36,8 @@ from cache_schema import (CacheError, CacheRoot, CorruptRecordError, Fingerprint
                           ShardRecord)
 from cache_schema.layout import (ATTR_CONTENT_HASHES, ATTR_ENCODING, ATTR_SAMPLE_IDS, BF16_BITS,
                                  FEATURE_SCALE, FEATURES, FP8_E4M3_BITS, INPUT_IDS, LAST_HIDDEN,
-                                 LOSS_MASK, OFFSETS, ROW, SOURCE, SUP_OFFSETS, bits_to_bf16, commit_key)
+                                 LOSS_MASK, OFFSETS, ROW, SOURCE, SUP_OFFSETS, array_specs, bits_to_bf16,
+                                 commit_key)
 from ops.common import open_group, open_root
 from ops.report import preview, table
 
@@ -74,21 +75,6 @@ def object_problems(shard: int, recorded: dict[str, int], actual: dict[str, int]
     out += [problem(shard, "extra_object", f"object {key} is not in the commit record (a second writer?)")
             for key in sorted(set(actual) - set(recorded))]
     return out
-
-
-def array_specs(num_samples: int, num_tokens: int, num_hidden_rows: int, *, feature_width: int,
-                hidden_size: int, feature_dtype: str) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-    """Stored dtype and shape of every array of one shard group, per the schema-1 layout
-    (``cache_schema.layout``): n samples, T tokens, T_sup last-hidden rows, W = L*H, H."""
-    n, t, t_sup = num_samples, num_tokens, num_hidden_rows
-    fp8 = feature_dtype == "fp8_e4m3"
-    out = {INPUT_IDS: (np.int32, (t,)), LOSS_MASK: (np.uint8, (t,)),
-           FEATURES: (np.uint8 if fp8 else np.uint16, (t, feature_width)),
-           LAST_HIDDEN: (np.uint16, (t_sup, hidden_size)), OFFSETS: (np.int64, (n + 1,)),
-           SUP_OFFSETS: (np.int64, (n + 1,)), SOURCE: (np.int32, (n,)), ROW: (np.int64, (n,))}
-    if fp8:
-        out[FEATURE_SCALE] = (np.float32, (t,))
-    return {k: (np.dtype(d), s) for k, (d, s) in out.items()}
 
 
 def structure_problems(shard: int, expected: dict[str, tuple[np.dtype, tuple[int, ...]]],

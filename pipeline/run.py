@@ -37,6 +37,27 @@ STAGES: dict[str, str] = {
     "evaluate": "pipeline.evaluate:run_evaluate",
 }
 
+USER_ERRORS = (PipelineError, CacheError, CheckpointError, TargetWeightsError)
+"""The error families the command line reports as one ``error:`` line (each message names the fix)."""
+
+
+def user_error(exc: BaseException) -> BaseException | None:
+    """The product error behind ``exc``, or None when it is not one of :data:`USER_ERRORS`.
+
+    An error raised inside a Ray task or actor (a cache or generate shard, a train worker) reaches
+    the driver wrapped, often several times (``RayTaskError`` carries it as ``.cause``, Ray Data and
+    Ray Train chain it as ``__cause__``); the innermost product error is the one whose message names
+    the fix, so the chain is followed to its end.
+    """
+    found, seen = None, set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, USER_ERRORS) and getattr(exc, "cause", None) is None:
+            found = exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return found
+
+
 _HYDRA_DEFAULTS = ("hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout")
 
 
@@ -165,8 +186,11 @@ def _hydra_entry() -> None:
     def _main(raw: DictConfig) -> None:
         try:
             run_stages(to_run_config(raw))
-        except (PipelineError, CacheError, CheckpointError, TargetWeightsError) as e:
-            print(f"error: {e}", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - a product error, however deep in Ray's wrapping, is one line
+            cause = user_error(e)
+            if cause is None:
+                raise
+            print(f"error: {cause}", file=sys.stderr)
             sys.exit(2)
 
     _main()

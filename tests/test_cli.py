@@ -139,3 +139,26 @@ def test_dry_run_refuses_layer_ids_the_target_lacks(local_target):
              "dry_run=true")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: config error: target.target_layer_ids: [0, 3] must be <= 2"), r.stderr
+
+
+def test_product_error_inside_ray_wrapping_is_found():
+    """A cache-shard error raised in a Ray actor reaches the driver as RayTaskError (the cause as
+    ``.cause``), then chained by Ray Data: the CLI reports the innermost product error's message."""
+    from ray.exceptions import RayTaskError
+
+    from cache_schema.errors import ShardAlreadyCommittedError
+    from pipeline.run import user_error
+
+    inner = ShardAlreadyCommittedError("shard 3 of s3://b/c was committed by another writer")
+    wrapped = RayTaskError("write_shard", "Traceback ... 42 lines", inner).as_instanceof_cause()
+    assert isinstance(wrapped, ShardAlreadyCommittedError)  # Ray's dual class: str() is the traceback
+    try:
+        try:
+            raise wrapped
+        except Exception as e:
+            raise RuntimeError("Ray Data: a task failed") from e
+    except RuntimeError as outer:
+        assert user_error(outer) is inner
+        assert str(user_error(outer)) == "shard 3 of s3://b/c was committed by another writer"
+    assert user_error(RuntimeError("not ours")) is None
+    assert user_error(ConfigError("bad key")).args == ("bad key",)
