@@ -38,6 +38,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from storage import indexed_name
+
 from cache_schema.errors import (CorruptRecordError, InvalidSampleError, InvalidStorageConfigError,
                                  NonFiniteSampleError)
 
@@ -76,7 +78,7 @@ def shard_name(shard_index: int) -> str:
     """Object-name stem of a shard, e.g. ``s000042``; raises ValueError for a negative index."""
     if shard_index < 0:
         raise ValueError(f"shard index must be >= 0, got {shard_index}")
-    return f"s{shard_index:06d}"
+    return indexed_name("s", shard_index)
 
 
 def parse_shard_name(stem: str) -> int | None:

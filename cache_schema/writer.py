@@ -8,7 +8,7 @@ Commit protocol for one shard (the unit of work and of ownership):
 4. write the Zarr group and each array in ONE call (never chunk by chunk, never from two writers);
 5. list the written objects, confirm that every object the arrays need is there
    (:func:`expected_objects`), and write the commit record LAST, created only if absent (a retried
-   commit PUT that finds its own, identical record counts as done: :func:`create_exclusive`).
+   commit PUT that finds its own, identical record counts as done: :func:`storage.create_exclusive`).
 
 A storage failure left after the retry policy's attempts (``storage``) raises
 StorageUnavailableError naming the URL and the last error, with nothing committed.
@@ -32,6 +32,8 @@ from fsspec.utils import get_protocol
 from zarr.codecs import ZstdCodec
 from zarr.storage import FsspecStore
 
+from storage import create_exclusive, read_or_none
+
 from cache_schema.errors import (CacheNotFoundError, CorruptRecordError, FingerprintMismatchError,
                                  InvalidFingerprintError, InvalidRecordError, InvalidSampleError,
                                  SchemaVersionError, ShardAlreadyCommittedError, ShardNotCommittedError,
@@ -46,33 +48,6 @@ def _fs_options(url: str, storage_options: dict[str, Any] | None) -> dict[str, A
     """fsspec options for ``url``: local disk creates parent folders on write like object storage."""
     local = {"auto_mkdir": True} if get_protocol(url) in ("file", "local") else {}
     return {**local, **(storage_options or {})}
-
-
-def _read_or_none(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:
-    fs.invalidate_cache(path)
-    try:
-        return fs.cat_file(path)
-    except FileNotFoundError:
-        return None
-
-
-def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    """Create the object ``path`` holding ``data`` only if it does not exist (S3: a conditional
-    PUT with ``If-None-Match: *``; local: ``open(..., "xb")``).
-
-    A retried PUT whose first attempt was stored but not acknowledged (a connection reset after
-    the body was sent) finds its own object: when the stored bytes equal ``data`` the call
-    succeeds, so a commit is never reported as a collision with itself.
-
-    Raises:
-        FileExistsError: the object exists with other bytes (another writer's).
-    """
-    try:
-        with fs.open(path, "xb") as f:
-            f.write(data)
-    except FileExistsError:
-        if _read_or_none(fs, path) != data:
-            raise
 
 
 def expected_objects(arrays: dict[str, tuple[tuple[int, ...], int]], storage: StorageConfig) -> set[str]:
@@ -152,7 +127,7 @@ class CacheRoot:
             ShardNotCommittedError: the shard has no commit record.
             CorruptRecordError: the record is unreadable or does not match this cache.
         """
-        text = _read_or_none(self.fs, self._path(commit_key(shard_index)))
+        text = read_or_none(self.fs, self._path(commit_key(shard_index)))
         if text is None:
             raise ShardNotCommittedError(
                 f"shard {shard_index} of {self.url} is not committed; list committed shards with "
@@ -336,7 +311,7 @@ def open_cache(root_url: str, fingerprint: Fingerprint | None = None, *, create:
             f"version {SCHEMA_VERSION}: build the fingerprint with the default schema_version")
     fp_path = f"{path}/{FINGERPRINT_OBJECT}"
     with storage_call(f"{url}/{FINGERPRINT_OBJECT}", "reading"):
-        text = _read_or_none(fs, fp_path)
+        text = read_or_none(fs, fp_path)
     if text is None:
         if fingerprint is None or not create:
             raise CacheNotFoundError(
@@ -345,7 +320,7 @@ def open_cache(root_url: str, fingerprint: Fingerprint | None = None, *, create:
             with storage_call(f"{url}/{FINGERPRINT_OBJECT}", "creating"):
                 create_exclusive(fs, fp_path, fingerprint.to_json().encode())
         except FileExistsError:  # another writer created the root at the same moment
-            text = _read_or_none(fs, fp_path)
+            text = read_or_none(fs, fp_path)
     stored = fingerprint if text is None else _load_fingerprint(url, text)
     if fingerprint is not None:
         differences = stored.diff(fingerprint)

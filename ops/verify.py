@@ -35,7 +35,7 @@ import torch
 from cache_schema import (CacheError, CacheRoot, CorruptRecordError, Fingerprint, ShardNotCommittedError,
                           ShardRecord)
 from cache_schema.layout import (ATTR_CONTENT_HASHES, ATTR_ENCODING, ATTR_SAMPLE_IDS, BF16_BITS,
-                                 FEATURE_SCALE, FEATURES, FP8_E4M3_BITS, INPUT_IDS, LAST_HIDDEN,
+                                 FEATURE_SCALE, FEATURES, FP8_E4M3_BITS, LAST_HIDDEN,
                                  LOSS_MASK, OFFSETS, ROW, SOURCE, SUP_OFFSETS, array_specs, bits_to_bf16,
                                  commit_key)
 from ops.common import open_group, open_root

@@ -55,6 +55,11 @@ class SequentialHead(str, Enum):
     control = "control"  # ablation: the Markov head's parameters fed the anchor + a slot vector
 
 
+class DrafterInit(str, Enum):
+    random = "random"  # Qwen3 init (the public recipes)
+    target = "target"  # the backbone starts as the target's next layer (training.drafter.Drafter.init_from_target)
+
+
 @dataclass
 class TargetConfig:
     """The frozen target LLM.
@@ -135,6 +140,7 @@ class DrafterSpec:
     confidence_head: bool = True  # on [h_k ; W1[x_{k-1}]] when a sequential head exists, else [h_k]
     confidence_grad_to_backbone: bool = False
     draft_vocab_size: Optional[int] = None
+    init: DrafterInit = DrafterInit.random
 
 
 @dataclass
@@ -181,7 +187,7 @@ class CalibrateConfig:
 @dataclass
 class ExportConfig:
     fold_temperature_tolerance: float = 0.02
-    format: str = "native"  # native (vLLM, z-lab dflash, SpecForge) | speculators (pipeline.export)
+    format: str = "native"  # native (vLLM, z-lab dflash, SpecForge) | speculators (pipeline.export_format)
 
 
 @dataclass

@@ -22,7 +22,7 @@ def drafter_config(spec: DrafterSpec, cfg: RunConfig):
         markov_rank=spec.markov_rank,
         head_type="markov" if spec.head == SequentialHead.none else spec.head.value,
         confidence_head=spec.confidence_head, confidence_grad_to_backbone=spec.confidence_grad_to_backbone,
-        num_anchors=cfg.train.num_anchors, draft_vocab_size=spec.draft_vocab_size)
+        num_anchors=cfg.train.num_anchors, draft_vocab_size=spec.draft_vocab_size, init=spec.init.value)
 
 
 def build_drafter(spec: DrafterSpec, cfg: RunConfig, target_dir: str, d2t: torch.Tensor | None = None):

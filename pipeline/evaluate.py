@@ -164,7 +164,7 @@ def realised_calibration(cfg: RunConfig, drafters: dict[str, Any], decoded: dict
         ``({name: {"T=..": pipeline.realised.compare result}}, markdown)``: the tables and, per drafter vLLM
         serves, the serving recommendation (:func:`pipeline.realised.recommendation`).
     """
-    from pipeline.export import DSPARK_ARCH, ExportError, architecture
+    from pipeline.export_format import DSPARK_ARCH, ExportError, architecture
     from pipeline.realised import (compare, conditional, format_tables, from_records, from_rounds,
                                    plot_reliability, recommendation)
 

@@ -36,13 +36,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from cache_schema.errors import storage_call
-from cache_schema.writer import create_exclusive
 from pipeline.chats import REASONS, BadRow, Chat, RowError, ShardSpan, iter_chats, plan_shards
 from pipeline.config import RunConfig
 from pipeline.engines import GenerationEngine, SamplingSpec
 from pipeline.errors import PipelineError
 from pipeline.render import apply_render_policy, generation_prompt, render_options, render_prompt
-from storage import filesystem, join
+from storage import create_exclusive, filesystem, indexed_name, join
 from pipeline.paths import resolve_input
 
 log = logging.getLogger("pipeline.generate")
@@ -98,7 +97,7 @@ def generate_url(cfg: RunConfig) -> str:
 
 
 def _name(shard: int) -> str:
-    return f"shard-{shard:06d}"
+    return indexed_name("shard-", shard)
 
 
 def plan(cfg: RunConfig) -> list[tuple[int, ShardSpan]]:

@@ -225,7 +225,7 @@ def recommendation(comparisons: dict[str, dict[str, Any]], method: str, path: st
     """Markdown: per temperature and concurrency R, the best fixed ``num_speculative_tokens`` (from the
     simulated fixed-length throughput on the realised blocks and the SPS curve), the best estimator's
     gain over it, and the ``speculative_config`` to copy into vLLM."""
-    lines = [f"| T | R | num_speculative_tokens | fixed tokens/s | best adaptive | gain | vLLM speculative_config |",
+    lines = ["| T | R | num_speculative_tokens | fixed tokens/s | best adaptive | gain | vLLM speculative_config |",
              "|---|---:|---:|---:|---|---:|---|"]
     for key, cmp in comparisons.items():
         sim = cmp["simulation"]

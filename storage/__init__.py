@@ -77,6 +77,44 @@ def retry_budget_s(policy: RetryPolicy) -> float:
     return policy.body_attempts * request + call
 
 
+def indexed_name(prefix: str, index: int) -> str:
+    """The one naming rule of numbered units: ``prefix`` + the index in six digits (cache shards
+    ``s000042``, generate shards ``shard-000042``, checkpoints ``step-000100``)."""
+    if index < 0:
+        raise ValueError(f"a unit index is >= 0, got {index}")
+    return f"{prefix}{index:06d}"
+
+
+def read_or_none(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:
+    """The object's bytes, read past any listing cache, or None when it does not exist."""
+    fs.invalidate_cache(path)
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+
+
+def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """The one commit primitive: create the object ``path`` holding ``data`` only if it does not exist
+    (S3: a conditional PUT with ``If-None-Match: *``; local: ``open(..., "xb")``, the parent folder
+    made by the caller). Every commit record of the product (cache shards and fingerprint, generate
+    shards, checkpoints) is written by it.
+
+    A retried PUT whose first attempt was stored but not acknowledged (a connection reset after
+    the body was sent) finds its own object: when the stored bytes equal ``data`` the call
+    succeeds, so a commit is never reported as a collision with itself.
+
+    Raises:
+        FileExistsError: the object exists with other bytes (another writer's).
+    """
+    try:
+        with fs.open(path, "xb") as f:
+            f.write(data)
+    except FileExistsError:
+        if read_or_none(fs, path) != data:
+            raise
+
+
 def join(url: str, *parts: str) -> str:
     """Join path parts onto a URL with ``/`` (never ``os.path``)."""
     out = url.rstrip("/")

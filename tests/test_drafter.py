@@ -222,3 +222,35 @@ def test_block_runner_closed_form_equals_the_training_c_star(tiny_qwen3, samples
         assert got["n"] == int(keep.sum()) == 32 and got["tau_expected"] == pytest.approx(float(want), abs=1e-5)
         assert 1.0 <= got["tau"] <= 1 + d.config.block_size
     assert summary["pairs"][("dspark", "dflash")][1.0]["n"] == 32
+
+
+def test_init_from_target_gives_the_target_layers_context_keys_and_values(tiny_qwen3, samples, tmp_path):
+    """``init: target``: at step 0 each draft layer's context keys/values are exactly those target
+    layer ``target_layer_ids[-1] + 1`` computes from its input (the last captured feature)."""
+    from training.loop import build_drafter_from
+
+    tiny_qwen3.save_pretrained(tmp_path)
+    cfg = DrafterConfig(target_layer_ids=LAYER_IDS, mask_token_id=MASK, num_layers=2, block_size=4,
+                        markov_rank=8, init="target")
+    d = build_drafter_from(cfg, str(tmp_path))
+    assert d.init_layer == 3
+    ids = samples[0]["input_ids"].long()
+    with torch.no_grad():
+        hs = tiny_qwen3(ids[None], output_hidden_states=True).hidden_states
+        features = torch.cat([hs[i + 1] for i in LAYER_IDS], -1)
+        ctx = d._fuse(features)
+        layer = tiny_qwen3.model.layers[3]
+        h = layer.input_layernorm(hs[3])  # the input of target layer 3 is the output of layer 2
+        assert torch.allclose(ctx, h, atol=1e-6)
+        cos, sin = d.rotary_emb(ctx, torch.arange(len(ids))[None])
+        want_v = layer.self_attn.v_proj(h).view(1, len(ids), -1, 16).transpose(1, 2)
+        for draft_layer in d.layers:
+            k, v = d._context_kv(draft_layer, ctx, cos, sin)
+            assert torch.allclose(v, want_v, atol=1e-6)
+            assert torch.equal(draft_layer.mlp.up_proj.weight, layer.mlp.up_proj.weight)
+        assert torch.equal(d.norm.weight, tiny_qwen3.model.norm.weight)
+    random = build_drafter_from(DrafterConfig(target_layer_ids=LAYER_IDS, mask_token_id=MASK, num_layers=2,
+                                              block_size=4, markov_rank=8), str(tmp_path))
+    assert not torch.equal(random.layers[0].mlp.up_proj.weight, layer.mlp.up_proj.weight)
+    with pytest.raises(ValueError, match="init must be one of"):
+        DrafterConfig(target_layer_ids=LAYER_IDS, mask_token_id=MASK, init="copy")

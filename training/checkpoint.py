@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from storage import filesystem, join
+from storage import create_exclusive, filesystem, indexed_name, join
 
 
 class CheckpointError(RuntimeError):
@@ -24,7 +24,8 @@ class CheckpointError(RuntimeError):
 
 
 def step_name(step: int) -> str:
-    return f"step-{step:06d}"
+    """``step-000100``: the checkpoint folder of optimizer step ``step``."""
+    return indexed_name("step-", step)
 
 
 def upload_dir(local: str | Path, url: str) -> dict[str, int]:
@@ -90,8 +91,7 @@ def commit(train_url: str, step: int, state: dict[str, Any]) -> str:
     read_parts(ckpt, state["world_size"])
     fs, path = filesystem(join(ckpt, "COMMITTED.json"))
     try:
-        with fs.open(path, "xb") as f:
-            f.write(json.dumps(state, indent=1, sort_keys=True).encode())
+        create_exclusive(fs, path, json.dumps(state, indent=1, sort_keys=True).encode())
     except FileExistsError:
         raise CheckpointError(f"{ckpt} is already committed") from None
     _, latest = filesystem(join(train_url, "latest"))

@@ -37,15 +37,19 @@ class Position:
 
 def build_drafter_from(config, target_dir: str, d2t: torch.Tensor | None = None):
     """A freshly initialised drafter of a :class:`training.drafter.DrafterConfig` on the target
-    (the frozen ``embed_tokens`` / ``lm_head`` read from ``target_dir``'s safetensors)."""
+    (the frozen ``embed_tokens`` / ``lm_head`` read from ``target_dir``'s safetensors; with
+    ``config.init == "target"`` the backbone copied from the target, :meth:`Drafter.init_from_target`)."""
     from transformers import AutoConfig
 
     from training.drafter import Drafter
-    from training.target_weights import load_shared_weights
+    from training.target_weights import load_layer_init, load_shared_weights
 
     embed, lm_head = load_shared_weights(target_dir)
     tc = AutoConfig.from_pretrained(target_dir, local_files_only=True)
-    return Drafter(config, tc, embed.float(), lm_head.float(), d2t)
+    model = Drafter(config, tc, embed.float(), lm_head.float(), d2t)
+    if config.init == "target":
+        model.init_from_target(*load_layer_init(target_dir, model.init_layer))
+    return model
 
 
 def recorded_config(state: dict[str, Any], ckpt: str, current):
