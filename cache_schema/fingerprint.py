@@ -19,6 +19,19 @@ from cache_schema.layout import FEATURE_DTYPES, HIDDEN_DTYPES, SCHEMA_VERSION
 _ABSENT = "<absent>"
 
 
+def tokenizer_sha256(tokenizer) -> str:
+    """The fingerprint's ``tokenizer_hash``: SHA-256 of the tokenizer's serialised state (a fast
+    tokenizer's ``backend_tokenizer.to_str()``, the vocabulary, merges, normaliser and added tokens;
+    else its ``repr``). The one formula, for the cache stage and ``ops sample``."""
+    state = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else repr(tokenizer)
+    return hashlib.sha256(state.encode()).hexdigest()
+
+
+def chat_template_sha256(tokenizer) -> str:
+    """The fingerprint's ``chat_template_hash``: SHA-256 of the chat template's text ("" if none)."""
+    return hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
+
+
 def tensor_sha256(t: torch.Tensor) -> str:
     """SHA-256 hex digest of a tensor's raw bytes (C order, native little-endian layout).
 

@@ -3,7 +3,6 @@ beside the target's own top tokens recomputed from the local target (the one pla
 model, lazily)."""
 from __future__ import annotations
 
-import hashlib
 import json
 from itertools import groupby
 from operator import itemgetter
@@ -12,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from cache_schema import CacheReader, CacheRoot, ShardRecord
+from cache_schema.fingerprint import tokenizer_sha256
 from cache_schema.layout import ROW, SOURCE, shard_name
 from ops.common import QUARANTINE_DIR, UsageError, open_root, open_group, sample_starts
 from ops.report import key_values, table
@@ -145,8 +145,7 @@ def sample(url: str, index: int | None = None, source_row: tuple[int, int] | Non
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
-    state = tok.backend_tokenizer.to_str() if hasattr(tok, "backend_tokenizer") else repr(tok)
-    payload["tokenizer_matches_cache"] = hashlib.sha256(state.encode()).hexdigest() == fp.tokenizer_hash
+    payload["tokenizer_matches_cache"] = tokenizer_sha256(tok) == fp.tokenizer_hash
     for seg in payload["segments"]:
         seg["text"] = tok.decode(seg["ids"])
     if positions is None:

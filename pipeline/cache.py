@@ -24,6 +24,7 @@ import numpy as np
 from cache_schema import (CacheSample, Fingerprint, StorageConfig, StorageUnavailableError, estimate_cache_bytes,
                           open_cache, shard_overhead_bytes, tensor_sha256)
 from cache_schema.errors import storage_call
+from cache_schema.fingerprint import chat_template_sha256, tokenizer_sha256
 from cache_schema.layout import shard_name
 from pipeline.chats import BadRow, RowCounts, RowError, ShardSpan, iter_chats, plan_shards
 from pipeline.config import RunConfig
@@ -77,11 +78,9 @@ def target_fingerprint(cfg: RunConfig, tokenizer, local_dir: str, model_config) 
               "num_hidden_layers": int(model_config.num_hidden_layers),
               "vocab_size": int(model_config.vocab_size), "config_sha256": conf_hash,
               "prefill_dtype": cfg.target.dtype}
-    tok_state = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else repr(tokenizer)
     return Fingerprint(
         target=target, embed_hash=tensor_sha256(embed), lm_head_hash=tensor_sha256(lm_head),
-        tokenizer_hash=hashlib.sha256(tok_state.encode()).hexdigest(),
-        chat_template_hash=hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest(),
+        tokenizer_hash=tokenizer_sha256(tokenizer), chat_template_hash=chat_template_sha256(tokenizer),
         render_options=render_options(cfg.data.render), target_layer_ids=tuple(cfg.target.target_layer_ids),
         feature_dtype=cfg.cache.feature_dtype.value, max_length=cfg.data.max_length,
         min_loss_tokens=cfg.data.min_loss_tokens)
