@@ -1,6 +1,7 @@
 """Ray start-up shared by every stage: join a cluster when there is one, else start a local one."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -26,13 +27,82 @@ def init_ray(cfg: RayConfig) -> None:
     if address:
         ray.init(address=address)
     else:  # no dashboard, so no state API: quiet the Ray Train thread that polls it (see below)
+        reap_orphaned_instances()
         ray.init(num_cpus=cfg.num_cpus, include_dashboard=False,
                  runtime_env={"worker_process_setup_hook": "pipeline.cluster.quiet_ray_workers"})
+        record_local_instance()
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the stages draw their own bars (samples, tokens, bytes)
     ctx.print_on_execution_start = False
+
+
+LOCAL_RECORDS = Path.home() / ".cache" / "dspark" / "ray-local"
+"""One JSON file per live local Ray instance this product started: its driver and Ray's processes."""
+
+
+def _identity(proc) -> list[float]:
+    return [proc.pid, proc.create_time()]  # (pid, start time): a pid reused by another process never matches
+
+
+def record_local_instance(records: Path = LOCAL_RECORDS) -> Path:
+    """Record the local Ray instance this driver just started (its GCS, raylet, agents and workers:
+    every descendant process now), removed again at a clean exit. A driver killed with SIGKILL
+    leaves its record behind, and :func:`reap_orphaned_instances` stops what outlived it."""
+    import atexit
+
+    import psutil
+
+    me = psutil.Process()
+    records.mkdir(parents=True, exist_ok=True)
+    path = records / f"{me.pid}.json"
+    path.write_text(json.dumps({"driver": _identity(me), "processes": [_identity(p) for p in me.children(recursive=True)]}))
+    atexit.register(path.unlink, missing_ok=True)
+    return path
+
+
+def reap_orphaned_instances(records: Path = LOCAL_RECORDS, grace_s: float = 5.0) -> int:
+    """Stop the Ray processes of local instances whose driver is gone (killed before Ray could shut
+    down: ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent`` outlive it, ignoring SIGTERM), and
+    drop their records. Only processes recorded by :func:`record_local_instance` and still running with
+    the same start time are touched: never another user's or another live run's Ray.
+
+    Returns:
+        The number of processes stopped (SIGTERM, then SIGKILL after ``grace_s`` seconds).
+    """
+    import psutil
+
+    stopped: list = []
+    for path in sorted(records.glob("*.json")) if records.is_dir() else []:
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            path.unlink(missing_ok=True)
+            continue
+        if _alive(*rec["driver"]):
+            continue  # a live run's instance
+        for pid, started in rec["processes"]:
+            proc = _alive(pid, started)
+            if proc is not None:
+                proc.terminate()
+                stopped.append(proc)
+        path.unlink(missing_ok=True)
+    _, left = psutil.wait_procs(stopped, timeout=grace_s)
+    for proc in left:
+        proc.kill()
+    return len(stopped)
+
+
+def _alive(pid: int, started: float):
+    """The running process ``pid`` if it started at ``started``, else None."""
+    import psutil
+
+    try:
+        proc = psutil.Process(int(pid))
+        return proc if abs(proc.create_time() - started) < 1e-3 and proc.status() != psutil.STATUS_ZOMBIE else None
+    except psutil.Error:
+        return None
 
 
 def quiet_ray_workers() -> None:
