@@ -71,9 +71,10 @@ def micro_steps_per_epoch(split: ShardSplit, *, seed: int, epoch: int, world: in
 
 
 def as_mapping(s: CacheSample) -> dict:
-    """The fields ``training.blocks.collate_samples`` takes."""
+    """The fields ``training.blocks.collate_samples`` takes, and ``sample_id`` (what a checkpoint's
+    ``consumed`` record hashes)."""
     return {"input_ids": s.input_ids, "loss_mask": s.loss_mask, "features": s.features,
-            "last_hidden": s.last_hidden}
+            "last_hidden": s.last_hidden, "sample_id": getattr(s, "sample_id", None)}
 
 
 def sample_batches(reader: CacheReader, shards: Sequence[int], micro_batch: int, limit: int | None = None
