@@ -283,8 +283,8 @@ def validate(cfg: RunConfig) -> RunConfig:
                f"markov_rank={spec.markov_rank}); markov_rank=0 means DFlash")
     if cfg.train.features != FeatureMode.cache:
         mode = cfg.train.features.value
-        _check(cfg.train.stream_memory_bytes >= 2**20, "train.stream_memory_bytes",
-               f"must be >= 1 MiB (got {cfg.train.stream_memory_bytes})")
+        _check(cfg.train.stream_memory_bytes >= 2**16, "train.stream_memory_bytes",
+               f"must be >= 64 KiB (got {cfg.train.stream_memory_bytes})")
         _check(cfg.train.stream_cpus_per_worker >= 0, "train.stream_cpus_per_worker", "must be >= 0")
         for name, spec in cfg.train.drafters.items():
             _check(spec.draft_vocab_size is None, f"train.drafters.{name}.draft_vocab_size",

@@ -7,8 +7,8 @@ items in the rank's seeded order (:func:`training.data.rank_order`: epoch by epo
 each item naming the positions to emit). The items flat-map through the cache stage's own prefill
 actor (:class:`pipeline.cache.ShardPrefillWriter`, ``emit=True``), which renders, prefills and (hybrid)
 commits each shard. Ray Data keeps the item order (``preserve_order``) and bounds the stream's object
-store memory (``train.stream_memory_bytes``), so a slow trainer stalls the prefill actors instead of
-filling the object store.
+store memory (``train.stream_memory_bytes``) and each actor holds one shard in flight, so a slow
+trainer stalls the prefill actors instead of filling the object store.
 
 Validation samples are prefilled by the same actors into a dataset materialised before training
 (every rank reads all of it, as every rank reads the validation shards in cache mode). Held-out
@@ -115,7 +115,8 @@ def _prefill(ds, cfg: RunConfig, root_url: str, fingerprint, local_dir: str, wri
 
     return ds.flat_map(ShardPrefillWriter, fn_constructor_args=(cfg, root_url, fingerprint, storage_config(cfg)),
                        fn_constructor_kwargs={"emit": True, "write": write, "local_dir": local_dir},
-                       compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cache.num_workers)),
+                       compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cache.num_workers),
+                                                          max_tasks_in_flight_per_actor=1),
                        num_gpus=cfg.cache.gpus_per_worker or None, num_cpus=cfg.train.stream_cpus_per_worker)
 
 
@@ -131,8 +132,12 @@ def build_datasets(cfg: RunConfig, plan: StreamPlan, items: list[list[dict[str, 
     out = {}
     for rank, its in enumerate(items):
         if its:
-            out[rank_dataset_name(rank)] = _prefill(ray.data.from_items(its, override_num_blocks=len(its)), cfg,
-                                                    root_url, fingerprint, local_dir, hybrid)
+            ds = _prefill(ray.data.from_items(its, override_num_blocks=len(its)), cfg, root_url, fingerprint,
+                          local_dir, hybrid)
+            # blocks well under the bound, so that Ray Data's budget (checked per block) and the
+            # rank's one-block prefetch stay close to it
+            ds.context.target_max_block_size = max(2**16, cfg.train.stream_memory_bytes // 8)
+            out[rank_dataset_name(rank)] = ds
     if plan.split.validation:
         val = [_item(plan, s, -1, -1, list(range(plan.counts[s]))) for s in plan.split.validation]
         out[VALIDATION_DATASET] = _prefill(ray.data.from_items(val, override_num_blocks=len(val)), cfg, root_url,
