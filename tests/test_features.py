@@ -266,3 +266,19 @@ def test_sigkill_and_resume_sees_the_same_samples(mode, tiny_target_dir, tmp_pat
         assert ckpt["consumed"][0]["samples"] == 6 * 4
     if mode == "hybrid":
         assert main(["diff", str(killed / "cache"), str(full / "cache")]) == 0
+
+
+def test_estimate_prints_storage_and_prefill_passes_per_mode():
+    """6 epochs online = 6 prefills of the training shards; hybrid = 1 prefill + the cache's bytes."""
+    from ops.estimate import feature_modes
+
+    cfg = load_config(DEFAULT_CONFIG, ["train.epochs=6", "train.heldout_shards=1", "train.validation_shards=1",
+                                       "~train.drafters.dflash"])
+    counts = [{"shard": i, "samples": 10, "tokens": 1000 + i} for i in range(5)]  # 3 train, 1 val, 1 held out
+    m = feature_modes(counts, cfg, nbytes=123_456, objects=77)
+    assert m["cache"] == {"bytes": 123_456, "objects": 77, "prefill_tokens_before_training": 5010,
+                          "prefill_tokens_per_epoch": [0] * 6, "prefill_tokens_run": 5010, "prefills": 1.0}
+    assert m["online"]["bytes"] == 0 and m["online"]["prefill_tokens_per_epoch"] == [3003] * 6
+    assert m["online"]["prefill_tokens_run"] == 6 * 3003 + 1003 and m["online"]["prefill_tokens_before_training"] == 1003
+    assert m["hybrid"]["bytes"] == 123_456 and m["hybrid"]["prefill_tokens_per_epoch"] == [5010, 0, 0, 0, 0, 0]
+    assert m["hybrid"]["prefills"] == 1.0 and round(m["online"]["prefills"], 2) == round((6 * 3003 + 1003) / 5010, 2)
