@@ -282,3 +282,29 @@ def test_estimate_prints_storage_and_prefill_passes_per_mode():
     assert m["online"]["prefill_tokens_run"] == 6 * 3003 + 1003 and m["online"]["prefill_tokens_before_training"] == 1003
     assert m["hybrid"]["bytes"] == 123_456 and m["hybrid"]["prefill_tokens_per_epoch"] == [5010, 0, 0, 0, 0, 0]
     assert m["hybrid"]["prefills"] == 1.0 and round(m["online"]["prefills"], 2) == round((6 * 3003 + 1003) / 5010, 2)
+
+
+@pytest.mark.integration
+def test_online_train_via_ray_job_submit_with_the_run_on_s3(tiny_target_dir, s3_url, tmp_path):
+    """``ray job submit`` to a local Ray head: +stage=train with train.features=online, run_dir on the
+    local S3 server. Nothing but the drafter's checkpoints and metrics lands under the run."""
+    import s3fs
+
+    from pipeline.cluster import local_head, submit
+
+    data = tmp_path / "chats.jsonl"
+    _chats(data, 120)
+    entry = [sys.executable, "-m", "pipeline.run", "+stage=train", str(DEFAULT_CONFIG),
+             *_args(tiny_target_dir, s3_url, data, "train.features=online", "train.epochs=1", "train.max_steps=6")]
+    entry = [a for a in entry if a != "ray.num_cpus=2"]
+    with local_head(num_cpus=2) as (ray_bin, address, env):
+        r = submit(ray_bin, address, env, entry, timeout_s=500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "succeeded" in r.stdout
+    fs = s3fs.S3FileSystem()
+    root = s3_url.removeprefix("s3://")
+    result = json.loads(fs.cat_file(f"{root}/train/dspark/result.json"))
+    assert result["features"] == "online" and result["steps"] == 6 and result["stream"]["rows"] >= 24
+    assert {p.removeprefix(root + "/").split("/")[0] for p in fs.find(root)} == {"train"}
+    state = json.loads(fs.cat_file(f"{root}/train/dspark/checkpoints/step-000006/COMMITTED.json"))
+    assert state["features"] == "online" and state["consumed"][0]["samples"] == 24
