@@ -89,6 +89,48 @@ def render_counts(item: tuple[int, Any], cfg, local_dir: str) -> dict[str, Any]:
             "skipped": r["skipped"], "quarantined": r["bad"] != "[]"}
 
 
+def feature_modes(counts: list[dict[str, Any]], cfg, nbytes: int, objects: int) -> dict[str, dict[str, Any]]:
+    """The trade-off of ``train.features`` for this run: storage and prefill work of each mode.
+
+    Args:
+        counts: per planned shard ``{"shard", "samples", "tokens"}`` (:func:`render_counts`).
+        nbytes, objects: the cache's estimated bytes and objects.
+    Returns:
+        per mode: ``bytes`` and ``objects`` stored (checkpoints and metrics aside), and prefill
+        token-passes (target forward tokens): ``prefill_tokens_before_training`` (cache stage),
+        ``prefill_tokens_per_epoch`` (epoch by epoch, over all drafters: each drafter's run streams
+        its own prefill), ``prefill_tokens_run`` and ``prefills`` (the run's token-passes over the
+        cache's tokens). Online also prefills the validation shards once per drafter run; it never
+        prefills the held-out shards (calibrate and evaluate read them from a cache).
+    """
+    from cache_schema.split import split_shards
+
+    by = {c["shard"]: c for c in counts}
+    tokens = sum(c["tokens"] for c in counts)
+    drafters, epochs = len(cfg.train.drafters), cfg.train.epochs
+    try:
+        split = split_shards({s: c["samples"] for s, c in by.items()}, cfg.train.heldout_shards,
+                             cfg.train.validation_shards)
+        train = sum(by[s]["tokens"] for s in split.train)
+        val = sum(by[s]["tokens"] for s in split.validation)
+    except ValueError:
+        train, val = tokens, 0
+    online_epoch = train * drafters
+    online = online_epoch * epochs + val * drafters
+    hybrid_epochs = [tokens * drafters] + [0] * (epochs - 1)
+    return {
+        "cache": {"bytes": nbytes, "objects": objects, "prefill_tokens_before_training": tokens,
+                  "prefill_tokens_per_epoch": [0] * epochs, "prefill_tokens_run": tokens,
+                  "prefills": round(tokens / max(tokens, 1), 3)},
+        "online": {"bytes": 0, "objects": 0, "prefill_tokens_before_training": val * drafters,
+                   "prefill_tokens_per_epoch": [online_epoch] * epochs, "prefill_tokens_run": online,
+                   "prefills": round(online / max(tokens, 1), 3)},
+        "hybrid": {"bytes": nbytes, "objects": objects, "prefill_tokens_before_training": val * drafters,
+                   "prefill_tokens_per_epoch": hybrid_epochs, "prefill_tokens_run": tokens * drafters,
+                   "prefills": round(tokens * drafters / max(tokens, 1), 3)},
+    }
+
+
 def estimate(config: str, overrides: list[str], *, workers: int = 1,
              progress: bool = True) -> tuple[dict[str, Any], int]:
     """Size of the cache that ``+stage=cache config overrides...`` would write.
@@ -138,7 +180,9 @@ def estimate(config: str, overrides: list[str], *, workers: int = 1,
                              objects=objects, feature_width=layers * hidden, hidden_size=hidden, feature_dtype=dtype,
                              chunk_bytes=storage.chunk_bytes, epochs=cfg.train.epochs,
                              drafters=len(cfg.train.drafters), workers=cfg.train.num_workers)
-    payload = {"cache": cache_url(cfg), "target": cfg.target.path, "hidden_size": hidden,
+    modes = feature_modes(counts, cfg, total, objects)
+    payload = {"cache": cache_url(cfg), "target": cfg.target.path, "features": cfg.train.features.value,
+               "modes": modes, "hidden_size": hidden,
                "target_layer_ids": list(cfg.target.target_layer_ids), "feature_dtype": dtype,
                "storage": asdict(storage), "shards": len(counts), "rows": sum(c["rows"] for c in counts),
                "samples": samples, "tokens": tokens, "supervised_tokens": sum(c["supervised"] for c in counts),
@@ -164,5 +208,14 @@ def render_estimate(p: dict[str, Any]) -> str:
         ("requests: cache", f"{r['put_cache']:,} PUT + {r['other_cache']:,} other (${r['usd_cache']:,.2f})"),
         ("requests: train", f"{r['get_per_epoch']:,} reads (GET/HEAD/LIST) per epoch ({r['get_per_sample']} "
                             f"per sample); {r['get_per_run']:,} per run of {r['epochs']} epochs x {r['drafters']} "
-                            f"drafters (${r['usd_run']:,.2f} at the GET price)")]), "", "skipped rows:",
+                            f"drafters (${r['usd_run']:,.2f} at the GET price)")]), "",
+        f"train.features (configured: {p['features']}): storage and prefill token-passes of {r['epochs']} epochs x "
+        f"{r['drafters']} drafters", table([{
+            "mode": m, "stored": f"{human_bytes(v['bytes'])}, {v['objects']:,} objects" if v["bytes"] else "nothing",
+            "prefill before training": f"{v['prefill_tokens_before_training']:,}",
+            "prefill per epoch": " / ".join(f"{t:,}" for t in v["prefill_tokens_per_epoch"]),
+            "prefill per run": f"{v['prefill_tokens_run']:,} ({v['prefills']:g} prefills)"}
+            for m, v in p["modes"].items()],
+            ["mode", "stored", "prefill before training", "prefill per epoch", "prefill per run"]),
+        "", "skipped rows:",
         table([{"reason": k, "rows": v} for k, v in p["skipped_rows"].items()], ["reason", "rows"])])

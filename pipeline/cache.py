@@ -139,30 +139,46 @@ def render_shard(span: ShardSpan, shard: int, cfg: RunConfig, local_dir: str) ->
 class ShardPrefillWriter:
     """The prefill actor: owns whole shards; computes, writes and commits each one it is given.
 
-    Returns only metadata (counts, bytes, seconds) to the driver.
+    The cache stage maps it over rendered shards (``write=True``, ``emit=False``): it returns only
+    metadata (counts, bytes, seconds) to the driver. The online / hybrid train stage
+    (:mod:`pipeline.stream`) flat-maps the same class over shard items that carry their span and
+    the stream order (``emit=True``): it renders the shard itself, prefills it whole (the same
+    length-aware batches as the cache stage, hence the same bits), in hybrid mode (``write=True``)
+    writes and commits it exactly as the cache stage would, or reads it back if it is already
+    committed, and returns the samples the item asks for as stream rows (:mod:`training.stream`).
+
+    Args:
+        cfg, root_url, fingerprint, storage: the run, the cache root (must exist when ``write``).
+        emit: return stream rows instead of metadata. write: write and commit the shard.
+        local_dir: the target folder (for rendering span items; default: resolved from the config).
     """
 
-    def __init__(self, cfg: RunConfig, root_url: str, fingerprint: Fingerprint, storage: StorageConfig):
+    def __init__(self, cfg: RunConfig, root_url: str, fingerprint: Fingerprint, storage: StorageConfig,
+                 emit: bool = False, write: bool = True, local_dir: str | None = None):
         import torch
 
         from pipeline.prefill import TargetPrefill
         from storage import configure_storage
-        from pipeline.target import load_target
+        from pipeline.target import load_target, resolve_target_path
 
         configure_storage(cfg.storage)
         cuda = cfg.cache.gpus_per_worker > 0 and torch.cuda.is_available()
         model, _, _ = load_target(cfg.target, "cuda" if cuda else "cpu")
         self.prefill = TargetPrefill(model, cfg.target.target_layer_ids)
-        self.root = open_cache(root_url, fingerprint, create=False, storage=storage)
+        self.cfg, self.fingerprint, self.emit, self.write = cfg, fingerprint, emit, write
+        self.root_url = root_url
+        self.root = open_cache(root_url, fingerprint, create=False, storage=storage) if write else None
+        self.local_dir = local_dir or resolve_target_path(cfg.target.path)
         self.max_tokens = cfg.cache.max_tokens_per_batch
         self.writer_id = f"{socket.gethostname()}:{os.getpid()}"
 
-    def __call__(self, work: dict[str, Any]) -> dict[str, Any]:
+    def _samples(self, work: dict[str, Any]) -> tuple[list[CacheSample], float]:
+        """The shard's samples, prefilled (stored order), and the prefill seconds."""
         import torch
 
         from pipeline.prefill import length_batches
 
-        shard, offsets = int(work["shard"]), np.asarray(work["offsets"])
+        offsets = np.asarray(work["offsets"])
         all_ids, all_mask = np.array(work["ids"], dtype=np.int32), np.array(work["mask"], dtype=np.uint8)
         ids = [all_ids[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
         masks = [all_mask[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
@@ -171,29 +187,63 @@ class ShardPrefillWriter:
         for batch in length_batches([len(x) for x in ids], self.max_tokens):
             for i, out in zip(batch, self.prefill([ids[i] for i in batch], [masks[i] for i in batch])):
                 outs[i] = out
-        prefill_s = time.perf_counter() - t0
         source, hashes = int(work["source"]), json.loads(work["hashes"])
         samples = [CacheSample(input_ids=torch.as_tensor(x), loss_mask=torch.as_tensor(m),
                                features=o.features, last_hidden=o.last_hidden,
                                sample_id=f"{source}-{int(r)}", source=source, row=int(r), content_hash=h)
                    for x, m, o, r, h in zip(ids, masks, outs, work["rows"], hashes)]
+        return samples, time.perf_counter() - t0
+
+    def _write(self, shard: int, work: dict[str, Any], samples: list[CacheSample]):
+        """Quarantine, data objects, then the commit record (cache_schema's protocol)."""
         bad = json.loads(work["bad"])
-        extra = {"skipped": json.loads(work["skipped"]), "source": source,
+        extra = {"skipped": json.loads(work["skipped"]), "source": int(work["source"]),
                  "rows": [int(work["row_start"]), int(work["row_end"])]}
+        if bad:  # quarantine first: the commit record must never precede anything of the shard
+            url = join(self.root.url, "quarantine", f"{shard_name(shard)}.jsonl")
+            with storage_call(url, f"writing the quarantine of shard {shard} to"):
+                fs, path = filesystem(url)
+                fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+                fs.pipe_file(path, "".join(json.dumps(b) + "\n" for b in bad).encode())
+        return self.root.write_shard(shard, samples, writer_id=self.writer_id, extra=extra)
+
+    def __call__(self, work: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        if self.emit:
+            return self._stream(work)
+        shard = int(work["shard"])
+        t0 = time.perf_counter()
+        samples, prefill_s = self._samples(work)
         try:
-            if bad:  # quarantine first: the commit record must never precede anything of the shard
-                url = join(self.root.url, "quarantine", f"{shard_name(shard)}.jsonl")
-                with storage_call(url, f"writing the quarantine of shard {shard} to"):
-                    fs, path = filesystem(url)
-                    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-                    fs.pipe_file(path, "".join(json.dumps(b) + "\n" for b in bad).encode())
-            record = self.root.write_shard(shard, samples, writer_id=self.writer_id, extra=extra)
+            record = self._write(shard, work, samples)
         except StorageUnavailableError as exc:  # reported by the driver as one line, not a worker traceback
             return {"shard": shard, "num_samples": 0, "num_tokens": 0, "bytes": 0, "prefill_seconds": prefill_s,
                     "busy_seconds": time.perf_counter() - t0, "error": str(exc)}
         return {"shard": shard, "num_samples": record.num_samples, "num_tokens": record.num_tokens,
                 "bytes": record.total_bytes, "prefill_seconds": prefill_s,
                 "busy_seconds": time.perf_counter() - t0, "error": ""}
+
+    def _stream(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        """Stream rows of one shard item of :func:`pipeline.stream.shard_items`."""
+        from training.stream import sample_row
+
+        shard = int(item["shard"])
+        positions = json.loads(item["positions"])
+        if self.write and self.root.is_committed(shard):  # hybrid resume: a committed shard is kept, read back
+            from cache_schema import CacheReader
+
+            samples = list(CacheReader(self.root_url, self.fingerprint).iter_samples([shard]))
+        else:
+            span = ShardSpan(**{k: item[k] for k in ShardSpan.__dataclass_fields__})
+            work = render_shard(span, shard, self.cfg, self.local_dir)
+            samples, _ = self._samples(work)
+            if self.write:
+                self._write(shard, work, samples)  # a storage failure stops the stream: hybrid must commit
+        now = time.time()
+        first = int(item["index"])
+        return [sample_row(samples[p].input_ids, samples[p].loss_mask, samples[p].features, samples[p].last_hidden,
+                           epoch=int(item["epoch"]), index=first + j if first >= 0 else p, shard=shard, position=p,
+                           sample_id=samples[p].sample_id, produced_at=now)
+                for j, p in enumerate(positions)]
 
 
 def plan(cfg: RunConfig) -> list[tuple[int, ShardSpan]]:

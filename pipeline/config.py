@@ -47,6 +47,14 @@ class Engine(str, Enum):
     vllm = "vllm"
 
 
+class FeatureMode(str, Enum):
+    """Where the trainer's target features come from (README "Feature modes")."""
+
+    cache = "cache"  # committed cache shards written by +stage=cache
+    online = "online"  # prefill actors stream into the trainers; nothing stored but checkpoints and metrics
+    hybrid = "hybrid"  # epoch 0 streams while the actors commit the cache shards; later epochs read them
+
+
 class SequentialHead(str, Enum):
     none = "none"  # DFlash: block-parallel only
     markov = "markov"
@@ -176,6 +184,12 @@ class TrainConfig:
     checkpoint_every_steps: int = 200
     max_failures: int = 2  # Ray Train restarts of a failed worker group (from the last checkpoint)
     seed: int = 0
+    # cache | online | hybrid (README "Feature modes"); online and hybrid prefill with the cache
+    # stage's actors (cache.num_workers, cache.gpus_per_worker) while the trainers run
+    features: FeatureMode = FeatureMode.cache
+    stream_memory_bytes: int = 256 * 2**20  # object-store bound of the online/hybrid stream (Ray Data)
+    stream_cpus_per_worker: float = 1.0  # logical CPUs of each streaming prefill actor
+    step_delay_s: float = 0.0  # artificial pause per optimizer step (back-pressure tests and benchmarks)
 
 
 @dataclass
@@ -273,6 +287,16 @@ def validate(cfg: RunConfig) -> RunConfig:
         _check(has_rank == (spec.head != SequentialHead.none), f"{key}.markov_rank",
                f"must be > 0 exactly when head != none (head={spec.head.value}, "
                f"markov_rank={spec.markov_rank}); markov_rank=0 means DFlash")
+    if cfg.train.features != FeatureMode.cache:
+        mode = cfg.train.features.value
+        _check(cfg.train.stream_memory_bytes >= 2**16, "train.stream_memory_bytes",
+               f"must be >= 64 KiB (got {cfg.train.stream_memory_bytes})")
+        _check(cfg.train.stream_cpus_per_worker >= 0, "train.stream_cpus_per_worker", "must be >= 0")
+        for name, spec in cfg.train.drafters.items():
+            _check(spec.draft_vocab_size is None, f"train.drafters.{name}.draft_vocab_size",
+                   f"a reduced draft vocabulary is counted over the cache; with train.features={mode} "
+                   "leave it unset or use train.features=cache")
+    _check(cfg.train.step_delay_s >= 0, "train.step_delay_s", "must be >= 0 seconds")
     _check(cfg.train.validation_shards >= 0, "train.validation_shards", "must be >= 0 (0 = no learning curve)")
     _check(cfg.train.validate_every_steps >= 1, "train.validate_every_steps", "must be >= 1")
     _check(cfg.train.validation_samples >= 1, "train.validation_samples", "must be >= 1")

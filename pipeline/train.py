@@ -5,6 +5,7 @@ against the training config (before any worker starts) and launches the trainers
 """
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,7 +33,8 @@ def train_job(cfg: RunConfig, name: str, fingerprint_json: str, target_dir: str)
         micro_batch_samples=t.micro_batch_samples, heldout_shards=t.heldout_shards,
         validation_shards=t.validation_shards, validation_samples=t.validation_samples,
         validate_every_steps=t.validate_every_steps, checkpoint_every_steps=t.checkpoint_every_steps,
-        storage=cfg.storage)
+        storage=cfg.storage, features=t.features.value, step_delay_s=t.step_delay_s,
+        stream_bound_bytes=t.stream_memory_bytes if t.features.value != "cache" else None)
 
 
 def expected_fingerprint(cfg: RunConfig, target_dir: str):
@@ -71,6 +73,10 @@ def _finished(job, total: int) -> dict[str, Any] | None:
 def run_train(cfg: RunConfig) -> dict[str, Any]:
     """``+stage=train``: train every drafter of ``train.drafters`` on the same cache and budget.
 
+    ``train.features`` picks where the features come from: the committed cache, or (online,
+    hybrid) the prefill actors streaming through Ray Data into the workers (:mod:`pipeline.stream`);
+    the worker, model, loss and sample order are the same in every mode.
+
     Raises:
         FingerprintMismatchError: the cache was built for another target/tokenizer/layers/options.
     """
@@ -82,21 +88,32 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.cluster import init_ray
     from pipeline.target import resolve_target_path
     from pipeline.errors import PipelineError
+    from pipeline.stream import data_config, stream_plan
     from training.data import split_shards
     from training.loop import plan_steps, total_steps, train_worker
 
     target_dir = resolve_target_path(cfg.target.path)
     fp = expected_fingerprint(cfg, target_dir)
-    reader = CacheReader(cache_url(cfg), fp)  # refuses a mismatching cache before any worker starts
-    try:  # an empty or too small cache is reported here, not as a worker traceback
-        split = split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards,
-                             cfg.train.validation_shards)
-    except ValueError as e:
-        raise PipelineError(f"{cache_url(cfg)}: {e}") from None
+    mode = cfg.train.features.value
+    if mode == "cache":
+        reader = CacheReader(cache_url(cfg), fp)  # refuses a mismatching cache before any worker starts
+        try:  # an empty or too small cache is reported here, not as a worker traceback
+            split = split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards,
+                                 cfg.train.validation_shards)
+        except ValueError as e:
+            raise PipelineError(f"{cache_url(cfg)}: {e}") from None
+        plan = None
+    else:
+        init_ray(cfg.ray)
+        plan = stream_plan(cfg, target_dir, cfg.train.heldout_shards, cfg.train.validation_shards)
+        split = plan.split
     jobs = {name: train_job(cfg, name, fp.to_json(), target_dir) for name in cfg.train.drafters}
+    if plan is not None:
+        jobs = {n: dataclasses.replace(j, shard_counts=dict(plan.counts)) for n, j in jobs.items()}
     world = cfg.train.num_workers
     first = next(iter(jobs.values()))  # every drafter has the same data, budget and schedule
-    total = total_steps(plan_steps(split, first, world), first, world)
+    micro_per_epoch = plan_steps(split, first, world)
+    total = total_steps(micro_per_epoch, first, world)
     if total == 0:
         raise PipelineError(
             f"{cache_url(cfg)}: the {len(split.train)} training shards ({sum(split.counts[s] for s in split.train)} "
@@ -107,14 +124,26 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
     if all(r is not None for r in results.values()):  # nothing to do: no Ray, no workers
         return {"drafters": results}
     init_ray(cfg.ray)
+    root = None
+    if mode == "hybrid":  # the cache the stream commits: same root, fingerprint and plan checks as +stage=cache
+        from cache_schema import open_cache
+        from pipeline.cache import resume_plan, storage_config
+
+        root = open_cache(cache_url(cfg), fp, create=True, storage=storage_config(cfg))
+        resume_plan(cfg, root)
 
     def fit(name: str) -> dict[str, Any]:
+        datasets, dataset_config = None, None
+        if plan is not None:
+            datasets = _stream_datasets(cfg, jobs[name], plan, micro_per_epoch, fp, target_dir, root)
+            dataset_config = data_config(cfg)
         trainer = TorchTrainer(
             train_worker,
             train_loop_config={"job": jobs[name]},
             scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu),
             run_config=ray.train.RunConfig(name=f"dspark-train-{name}", storage_path=tempfile.mkdtemp(),
-                                           failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures)))
+                                           failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures)),
+            **({"datasets": datasets, "dataset_config": dataset_config} if datasets is not None else {}))
         trainer.fit()
         return read_json(join(cfg.run_dir, "train", name, "result.json"))
 
@@ -122,4 +151,39 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
     with ThreadPoolExecutor(max_workers=cfg.train.concurrent_drafters) as pool:  # each fit() blocks its thread
         for name, result in zip(todo, pool.map(fit, todo)):
             results[name] = result
+    if mode == "hybrid":
+        from pipeline.cache import cache_totals
+
+        storage_write_summary(cfg, cache_totals(cache_url(cfg)))
     return {"drafters": results}
+
+
+def _stream_datasets(cfg: RunConfig, job, plan, micro_per_epoch: list[int], fp, target_dir: str, root):
+    """Ray Train datasets of one drafter's online / hybrid run, from its resume position on
+    (:mod:`pipeline.stream`). A hybrid run resumed after epoch 0 first completes the cache it was
+    writing with the cache stage itself (committed shards kept, uncommitted ones redone)."""
+    from pipeline.cache import cache_url
+    from pipeline.stream import build_datasets, shard_items
+    from training.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(job.output_url)
+    epoch, micro = (found[1]["epoch"], found[1]["micro"]) if found is not None else (0, 0)
+    hybrid = cfg.train.features.value == "hybrid"
+    committed = set(root.committed_records()) if root is not None else set()
+    if hybrid and epoch > 0 and not set(plan.counts) <= committed:
+        from pipeline.cache import run_cache
+
+        run_cache(cfg)
+    items = shard_items(plan, seed=job.seed, micro_per_epoch=micro_per_epoch, micro_batch=job.micro_batch_samples,
+                        world=cfg.train.num_workers, start_epoch=epoch, start_micro=micro, hybrid=hybrid,
+                        committed=committed)
+    return build_datasets(cfg, plan, items, root_url=cache_url(cfg), fingerprint=fp, local_dir=target_dir,
+                          hybrid=hybrid)
+
+
+def storage_write_summary(cfg: RunConfig, totals: dict[str, Any]) -> None:
+    """``cache/summary.json`` of a cache the hybrid stream wrote (what the cache stage writes)."""
+    from pipeline.cache import cache_url
+    from storage import write_json
+
+    write_json(join(cache_url(cfg), "summary.json"), totals)

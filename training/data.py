@@ -9,43 +9,12 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from cache_schema import CacheReader, CacheSample
-
-
-@dataclass(frozen=True)
-class ShardSplit:
-    """Committed shards split into training, validation (learning curves during training) and
-    held-out (calibrate, block-level evaluation) shards; the three sets are disjoint.
-
-    ``counts`` maps every shard index to its sample count.
-    """
-
-    train: tuple[int, ...]
-    heldout: tuple[int, ...]
-    counts: dict[int, int]
-    validation: tuple[int, ...] = ()
-
-
-def split_shards(counts: dict[int, int], heldout_shards: int, validation_shards: int = 0) -> ShardSplit:
-    """Hold out the last ``heldout_shards`` non-empty shards (by index) and, before them, the
-    ``validation_shards`` for the learning curves; the rest train.
-
-    Raises:
-        ValueError: fewer than ``heldout_shards + validation_shards + 1`` non-empty shards.
-    """
-    full = [s for s in sorted(counts) if counts[s] > 0]
-    if len(full) <= heldout_shards + validation_shards:
-        raise ValueError(f"the cache has {len(full)} non-empty shards; train.heldout_shards={heldout_shards} and "
-                         f"train.validation_shards={validation_shards} leave none to train on: cache more rows "
-                         "(or a smaller cache.rows_per_shard), or lower them")
-    cut = len(full) - heldout_shards
-    val = cut - validation_shards
-    return ShardSplit(tuple(full[:val]), tuple(full[cut:]), dict(counts), tuple(full[val:cut]))
+from cache_schema.split import ShardSplit, split_shards  # noqa: F401 (re-exported: the split is the cache's)
 
 
 def rank_order(split: ShardSplit, *, seed: int, epoch: int, rank: int, world: int) -> list[tuple[int, int]]:
@@ -71,9 +40,10 @@ def micro_steps_per_epoch(split: ShardSplit, *, seed: int, epoch: int, world: in
 
 
 def as_mapping(s: CacheSample) -> dict:
-    """The fields ``training.blocks.collate_samples`` takes."""
+    """The fields ``training.blocks.collate_samples`` takes, and ``sample_id`` (what a checkpoint's
+    ``consumed`` record hashes)."""
     return {"input_ids": s.input_ids, "loss_mask": s.loss_mask, "features": s.features,
-            "last_hidden": s.last_hidden}
+            "last_hidden": s.last_hidden, "sample_id": getattr(s, "sample_id", None)}
 
 
 def sample_batches(reader: CacheReader, shards: Sequence[int], micro_batch: int, limit: int | None = None

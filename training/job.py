@@ -32,6 +32,13 @@ class TrainJob:
         validation_samples, validate_every_steps: the held-out learning curve.
         checkpoint_every_steps: committed checkpoint cadence (and the last step).
         storage: the object-storage retry policy of the worker's S3 clients.
+        features: ``cache`` (read ``cache_url``), ``online`` (rank r reads Ray Train dataset
+            ``train_rank<r>``, validation from ``validation``: :mod:`training.stream`) or ``hybrid``
+            (epoch 0 as online while the stream commits the cache, later epochs from ``cache_url``).
+        shard_counts: online / hybrid: samples per planned shard (rendered by the driver), the
+            split and the order are computed from it exactly as from a cache's commit records.
+        step_delay_s: seconds of artificial pause after every optimizer step (back-pressure tests).
+        stream_bound_bytes: the stream's object-store bound (reported next to the measured peak).
     """
 
     drafter: str
@@ -60,6 +67,10 @@ class TrainJob:
     validate_every_steps: int
     checkpoint_every_steps: int
     storage: RetryPolicy
+    features: str = "cache"
+    shard_counts: dict[int, int] | None = None
+    step_delay_s: float = 0.0
+    stream_bound_bytes: int | None = None
 
     def accumulation(self, world: int) -> int:
         """Micro-steps per optimizer step on each of ``world`` ranks."""

@@ -115,19 +115,26 @@ def _save(engine, train_url: str, pos: Position, state: dict[str, Any]) -> None:
             save_file(weights, f"{tmp}/drafter.safetensors")
             fs, path = filesystem(join(ckpt, "drafter.safetensors"))
             fs.put_file(f"{tmp}/drafter.safetensors", path)
+    consumed = [state.pop("_consumed")]
+    if dist.is_initialized() and world > 1:  # what every rank has trained on, recorded by rank 0
+        consumed = [None] * world
+        dist.all_gather_object(consumed, state.get("_rank_consumed"))
+    state.pop("_rank_consumed", None)
     _barrier()
     if rank == 0:
         commit(train_url, pos.step, {**state, "step": pos.step, "epoch": pos.epoch, "micro": pos.micro,
-                                     "world_size": world})
+                                     "world_size": world, "consumed": consumed})
     _barrier()
 
 
-def _resume(engine, train_url: str, world: int, zero_stage: int, name: str) -> Position:
+def _resume(engine, train_url: str, world: int, zero_stage: int, name: str) -> tuple[Position, dict]:
+    """The position of the newest committed checkpoint (engine state loaded), and what this rank had
+    consumed by then (its ``consumed`` entry; empty for a fresh run or an older checkpoint)."""
     from training.checkpoint import CheckpointError, download_files, latest_checkpoint, read_parts
 
     found = latest_checkpoint(train_url)
     if found is None:
-        return Position()
+        return Position(), {}
     ckpt, state = found
     check_record(recorded_config(state, ckpt, engine.module.config), engine.module.config, drafter=name, where=ckpt)
     if state["world_size"] != world or state["zero_stage"] != zero_stage:
@@ -140,7 +147,23 @@ def _resume(engine, train_url: str, world: int, zero_stage: int, name: str) -> P
     with tempfile.TemporaryDirectory() as tmp:
         download_files(join(ckpt, "engine"), files, tmp)
         engine.load(tmp, state_tag(state))
-    return Position(state["step"], state["epoch"], state["micro"])
+    consumed = state.get("consumed") or []
+    rank = _rank_world()[0]
+    return Position(state["step"], state["epoch"], state["micro"]), (consumed[rank] if rank < len(consumed) else {})
+
+
+def _dataset(name: str, required: bool = True):
+    """This worker's Ray Train dataset iterator ``name`` (online / hybrid features); None when the
+    train stage passed none and ``required`` is false (a rank with nothing left to stream)."""
+    import ray.train
+
+    try:
+        it = ray.train.get_dataset_shard(name)
+    except (KeyError, ValueError):
+        it = None
+    if it is None and required:
+        raise RuntimeError(f"the train stage passed no Ray dataset {name!r} to this worker")
+    return it
 
 
 def state_tag(state: dict[str, Any]) -> str:
@@ -159,8 +182,14 @@ def train_worker(config: dict[str, Any]) -> None:
     """Train one drafter (``config["job"]``, a :class:`training.job.TrainJob`) on its cache; the
     Ray Train entry point.
 
-    Writes, under ``job.output_url``: committed checkpoints, ``metrics.jsonl`` (rank 0, one row per
-    optimizer step), TensorBoard events, ``curves.png`` and ``result.json`` at the end.
+    Features come from the cache, or (``job.features`` online / hybrid) from the Ray Train datasets
+    the train stage built (:mod:`training.stream`); the model, loss, order and anchors are the same
+    code in every mode.
+
+    Writes, under ``job.output_url``: committed checkpoints (each records what every rank has
+    ``consumed``: :class:`training.stream.ConsumedLog`), ``metrics.jsonl`` (rank 0, one row per
+    optimizer step), TensorBoard events, ``curves.png`` and ``result.json`` at the end (with the
+    stream's rows, bytes and peak in-flight bytes in online / hybrid mode).
 
     Raises:
         FingerprintMismatchError: the cache does not fit the job's fingerprint (before step 1).
@@ -175,16 +204,26 @@ def train_worker(config: dict[str, Any]) -> None:
     from training.checkpoint import upload_dir
     from training.data import Prefetcher, rank_order, split_shards
     from training.engine import make_engine
+    from training.stream import (VALIDATION_DATASET, ConsumedLog, MemoryReader, StreamFeed, max_ahead_bytes,
+                                 rank_dataset_name)
     from training.validation import curve_summary, plot_curves, validate, validation_batches
 
     configure_storage(job.storage)  # every S3 client of this worker process
     rank, world = _rank_world()
     torch.manual_seed(job.seed)
-    reader = CacheReader(job.cache_url, Fingerprint.from_json(job.fingerprint))
-    split = split_shards({s: r.num_samples for s, r in reader.records.items()}, job.heldout_shards,
-                         job.validation_shards)
-    val_batches = validation_batches(split, reader, micro_batch=job.micro_batch_samples,
-                                     max_samples=job.validation_samples, world=world)
+    fingerprint = Fingerprint.from_json(job.fingerprint)
+    streamed = job.features in ("online", "hybrid")
+    reader = None if streamed else CacheReader(job.cache_url, fingerprint)
+    counts = job.shard_counts if streamed else {s: r.num_samples for s, r in reader.records.items()}
+    split = split_shards(counts, job.heldout_shards, job.validation_shards)
+    if streamed:  # the same validation samples as a cache read, computed by the same prefill actors
+        val_source = MemoryReader(list(_dataset(VALIDATION_DATASET).iter_rows())) if split.validation else None
+        it = _dataset(rank_dataset_name(rank), required=False)
+        rows = iter(it.iter_rows()) if it is not None else None
+    else:
+        val_source, rows = reader, None
+    val_batches = validation_batches(split, val_source, micro_batch=job.micro_batch_samples,
+                                     max_samples=job.validation_samples, world=world) if split.validation else []
     micro_per_epoch = plan_steps(split, job, world)
     accumulation = job.accumulation(world)
     total = total_steps(micro_per_epoch, job, world)
@@ -202,19 +241,46 @@ def train_worker(config: dict[str, Any]) -> None:
                          total_steps=total, warmup_ratio=job.warmup_ratio, bf16=job.bf16,
                          micro_batch=job.micro_batch_samples, accumulation=accumulation, grad_clip=job.grad_clip)
     name, train_url, loss_cfg = job.drafter, job.output_url, job.loss
-    pos = _resume(engine, train_url, world, job.zero_stage, name)
+    pos, consumed_state = _resume(engine, train_url, world, job.zero_stage, name)
+    consumed = ConsumedLog(consumed_state)
     state = {"drafter": name, "zero_stage": job.zero_stage, "total_steps": total, "seed": job.seed,
              "model": model_record(model.config), "cache_fingerprint": job.fingerprint,
-             "reduced_vocabulary": d2t is not None}
+             "reduced_vocabulary": d2t is not None, "features": job.features}
     log = MetricsLog(join(train_url, "metrics.jsonl"), pos.step) if rank == 0 else None
     tb = _tensorboard() if rank == 0 else None
     bar = _progress(total, pos.step, name) if rank == 0 else None
     t_step, tokens, waited, last = time.perf_counter(), 0, 0.0, None
+    timeline: list = []  # (produced_at, consumed_at, bytes) of every streamed row
+
+    def drain() -> None:
+        """Hybrid: read the rest of the epoch-0 stream (the shards' commits happen in the actors),
+        then wait for every rank, so that the cache is complete before anyone reads it."""
+        nonlocal rows, reader
+        if rows is not None:
+            for _ in rows:
+                pass
+            rows = None
+        _barrier()
+        reader = CacheReader(job.cache_url, fingerprint)
+        missing = sorted(set(split.train) - set(reader.records))
+        if missing:
+            raise RuntimeError(f"hybrid: epoch 0 ended but training shards {missing[:5]} of {job.cache_url} are "
+                               "not committed (their writes failed; see the prefill actors' log): rerun the train "
+                               "stage, which rewrites them")
+
     while pos.step < total and pos.epoch < job.epochs:
         order = rank_order(split, seed=job.seed, epoch=pos.epoch, rank=rank, world=world)
-        feed = Prefetcher(reader, order, job.micro_batch_samples, pos.micro, micro_per_epoch[pos.epoch])
+        if job.features == "online" or (job.features == "hybrid" and pos.epoch == 0):
+            feed = StreamFeed(rows, order, job.micro_batch_samples, pos.micro, micro_per_epoch[pos.epoch], pos.epoch,
+                              timeline)
+        else:
+            if reader is None:  # hybrid, resumed after epoch 0: the driver completed the cache
+                drain()
+            feed = Prefetcher(reader, order, job.micro_batch_samples, pos.micro, micro_per_epoch[pos.epoch])
+        waited = feed.wait_seconds
         for samples in feed:
             batch = collate_samples(samples)
+            consumed.add(samples)
             gen = torch.Generator().manual_seed(hash((job.seed, pos.epoch, pos.micro, rank)) % 2**63)
             blocks = engine.module.make_blocks(batch, gen)
             out = engine.module.loss(engine(batch, blocks), loss_cfg)
@@ -225,10 +291,12 @@ def train_worker(config: dict[str, Any]) -> None:
             if pos.micro % accumulation:
                 continue
             pos.step += 1
+            if job.step_delay_s:
+                time.sleep(job.step_delay_s)
             seconds = time.perf_counter() - t_step
             validated = {}
             if val_batches and (pos.step % job.validate_every_steps == 0 or pos.step == total):
-                val = validate(engine.module, reader, val_batches, loss_cfg, rank=rank, world=world)
+                val = validate(engine.module, val_source, val_batches, loss_cfg, rank=rank, world=world)
                 validated = {f"val_{k}": v for k, v in val.items()}
             if rank == 0:
                 last = {**_metrics_row(out, engine, pos, tokens * world, seconds, feed.wait_seconds - waited),
@@ -239,13 +307,22 @@ def train_worker(config: dict[str, Any]) -> None:
             if pos.step % job.checkpoint_every_steps == 0 or pos.step == total:
                 if rank == 0:
                     log.flush()
-                _save(engine, train_url, pos, state)
+                mine = consumed.state(pos.epoch, pos.micro)
+                _save(engine, train_url, pos, {**state, "_consumed": mine, "_rank_consumed": mine})
             if pos.step >= total:
                 break
         else:
+            if job.features == "hybrid" and pos.epoch == 0:
+                drain()
             pos.epoch, pos.micro = pos.epoch + 1, 0
             continue
         break
+    if job.features == "hybrid" and rows is not None:  # the budget ended inside epoch 0: finish the cache
+        drain()
+    stream = None
+    if streamed:
+        stream = {"rows": len(timeline), "bytes": int(sum(n for _, _, n in timeline)),
+                  "max_ahead_bytes": max_ahead_bytes(timeline), "bound_bytes": job.stream_bound_bytes}
     if rank == 0:
         bar.close()
         tb.close()
@@ -259,7 +336,8 @@ def train_worker(config: dict[str, Any]) -> None:
                 fs.put_file(f"{tmp}/curves.png", path)
         fs, path = filesystem(join(train_url, "result.json"))
         fs.pipe_file(path, json.dumps({"steps": pos.step, "total_steps": total, "last": last,
-                                       "validation": curves, "world_size": world,
+                                       "validation": curves, "world_size": world, "features": job.features,
+                                       "stream": stream, "consumed": consumed.state(pos.epoch, pos.micro),
                                        "checkpoint": join(train_url, "checkpoints")}, default=str).encode())
 
 
