@@ -18,9 +18,9 @@ def bare_forward_tokens_per_s(cfg, rows: int) -> tuple[float, int]:
     no writes (2 threads: the same cores the cache stage's actors share)."""
     import torch
 
-    from pipeline.cache import plan, render_shard
-    from pipeline.prefill import length_batches
-    from pipeline.target import load_target, resolve_target_path
+    from pipeline.stages.cache import plan, render_shard
+    from pipeline.target.prefill import length_batches
+    from pipeline.target.loader import load_target, resolve_target_path
 
     torch.set_num_threads(2)
     local = resolve_target_path(cfg.target.path)
@@ -46,7 +46,7 @@ def bare_forward_tokens_per_s(cfg, rows: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    from pipeline.cache import run_cache
+    from pipeline.stages.cache import run_cache
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=2048)

@@ -52,8 +52,8 @@ def _stage(stage: str, run_dir: Path, *overrides: str) -> None:
 
 def _batches(cfg, target_dir: str, samples: int):
     from cache_schema import CacheReader
-    from pipeline.cache import cache_url
-    from pipeline.train import expected_fingerprint
+    from pipeline.stages.cache import cache_url
+    from pipeline.stages.train import expected_fingerprint
     from training.data import sample_batches, split_shards
 
     reader = CacheReader(cache_url(cfg), expected_fingerprint(cfg, target_dir))
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--skip-fp8", action="store_true", help="leave out the fp8 cache and its two drafters")
     args = ap.parse_args()
     from pipeline.run import DEFAULT_CONFIG, load_config
-    from pipeline.target import resolve_target_path
+    from pipeline.target.loader import resolve_target_path
     from training.block_eval import format_table, summarise
     from training.block_runner import evaluate_blocks
     from pipeline.drafters import load_trained_drafter

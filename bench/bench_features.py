@@ -34,8 +34,8 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def main() -> None:
     from ops.compare import diff
-    from pipeline.cache import run_cache
-    from pipeline.train import run_train
+    from pipeline.stages.cache import run_cache
+    from pipeline.stages.train import run_train
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(REPO / "runs" / "bench-features"))

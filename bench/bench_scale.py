@@ -98,7 +98,7 @@ def run_command(name: str, url: str, data: str, cursor: str) -> None:
         assert compare.diff(url, url)[0]["identical"]
     elif name == "resume":
         from cache_schema import open_cache
-        from pipeline.cache import resume_plan
+        from pipeline.stages.cache import resume_plan
         from pipeline.run import DEFAULT_CONFIG, load_config
 
         cfg = load_config(DEFAULT_CONFIG, [f"data.train_files=[{data}]", "generate.enabled=false",
@@ -267,7 +267,7 @@ def main() -> None:
     from storage import configure_storage
 
     configure_storage()
-    import ops.compare, ops.listing, ops.verify, pipeline.cache, pipeline.run, training.data  # noqa: F401,E401
+    import ops.compare, ops.listing, ops.verify, pipeline.stages.cache, pipeline.run, training.data  # noqa: F401,E401
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.local:

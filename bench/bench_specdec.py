@@ -14,10 +14,10 @@ from common import tiny_config
 
 
 def main() -> None:
-    from pipeline.evaluate import eval_prompts
-    from pipeline.prefill import LayerTap
-    from pipeline.speculate import plain_decode, speculative_decode
-    from pipeline.target import load_target
+    from pipeline.stages.evaluate import eval_prompts
+    from pipeline.target.prefill import LayerTap
+    from pipeline.inference.speculate import plain_decode, speculative_decode
+    from pipeline.target.loader import load_target
     from pipeline.drafters import load_trained_drafter
 
     ap = argparse.ArgumentParser()

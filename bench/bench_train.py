@@ -13,9 +13,9 @@ from common import s3_server, tiny_config
 
 
 def train_figures(run_dir: str, rows: int, steps: int) -> dict:
-    from pipeline.cache import run_cache
+    from pipeline.stages.cache import run_cache
     from storage import filesystem
-    from pipeline.train import run_train
+    from pipeline.stages.train import run_train
 
     cfg = tiny_config(run_dir, f"cache.max_rows={rows}", "cache.rows_per_shard=64", f"train.max_steps={steps}",
                       "~train.drafters.dflash", f"train.checkpoint_every_steps={10 * steps}")

@@ -1,7 +1,7 @@
 """``estimate``: bytes, object count and storage requests of a cache before the cache stage runs (CPU only).
 
 Plans the shards and renders every input row exactly as the cache stage does
-(``pipeline.cache.plan`` and ``render_shard``: same chat template, truncation, skips), with no
+(``pipeline.stages.cache.plan`` and ``render_shard``: same chat template, truncation, skips), with no
 Ray and no target forward pass, then sizes the result with ``cache_schema.estimate_cache_bytes``
 and counts the objects the schema-1 layout will hold. Needs the target's tokenizer and config
 (local files) but not its weights.
@@ -79,8 +79,8 @@ def shard_objects(num_samples: int, num_tokens: int, num_hidden_rows: int, *, fe
 
 
 def render_counts(item: tuple[int, Any], cfg, local_dir: str) -> dict[str, Any]:
-    """Counts of one planned shard, rendered by ``pipeline.cache.render_shard`` (a process task)."""
-    from pipeline.cache import render_shard
+    """Counts of one planned shard, rendered by ``pipeline.stages.cache.render_shard`` (a process task)."""
+    from pipeline.stages.cache import render_shard
 
     shard, span = item
     r = render_shard(span, shard, cfg, local_dir)
@@ -147,10 +147,10 @@ def estimate(config: str, overrides: list[str], *, workers: int = 1,
     from transformers import AutoConfig
 
     from ops.common import UsageError
-    from pipeline.cache import cache_url, plan, storage_config
-    from pipeline.chats import RowCounts
+    from pipeline.stages.cache import cache_url, plan, storage_config
+    from pipeline.target.chats import RowCounts
     from pipeline.run import load_config
-    from pipeline.target import resolve_target_path
+    from pipeline.target.loader import resolve_target_path
 
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")

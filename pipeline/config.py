@@ -201,7 +201,7 @@ class CalibrateConfig:
 @dataclass
 class ExportConfig:
     fold_temperature_tolerance: float = 0.02
-    format: str = "native"  # native (vLLM, z-lab dflash, SpecForge) | speculators (pipeline.export_format)
+    format: str = "native"  # native (vLLM, z-lab dflash, SpecForge) | speculators (pipeline.stages.export_format)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from cache_schema import CacheError
 from pipeline.config import STAGE_ORDER, RunConfig, Stage, to_dict, to_run_config
 from pipeline.errors import ConfigError, PipelineError
 from storage import configure_storage, join, write_json
-from pipeline.target import resolve_target_path
+from pipeline.target.loader import resolve_target_path
 from training.checkpoint import CheckpointError
 from training.target_weights import TargetWeightsError
 
@@ -29,12 +29,12 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "conf" / "tiny.yaml"
 
 # stage name -> "module:function"; a stage function takes a RunConfig and returns its summary dict.
 STAGES: dict[str, str] = {
-    "generate": "pipeline.generate:run_generate",
-    "cache": "pipeline.cache:run_cache",
-    "train": "pipeline.train:run_train",
-    "calibrate": "pipeline.calibrate:run_calibrate",
-    "export": "pipeline.export:run_export",
-    "evaluate": "pipeline.evaluate:run_evaluate",
+    "generate": "pipeline.stages.generate:run_generate",
+    "cache": "pipeline.stages.cache:run_cache",
+    "train": "pipeline.stages.train:run_train",
+    "calibrate": "pipeline.stages.calibrate:run_calibrate",
+    "export": "pipeline.stages.export:run_export",
+    "evaluate": "pipeline.stages.evaluate:run_evaluate",
 }
 
 USER_ERRORS = (PipelineError, CacheError, CheckpointError, TargetWeightsError)

@@ -15,7 +15,7 @@ from safetensors.torch import load
 
 from pipeline.embedded.build import BuildSpec, ensure_embedded
 from pipeline.embedded.target import TargetSpec
-from pipeline.export_format import check_tensors, expected_tensors
+from pipeline.stages.export_format import check_tensors, expected_tensors
 from pipeline.run import DEFAULT_CONFIG
 from storage import filesystem, join, read_json
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cache_schema import CacheReader, FingerprintMismatchError
-from pipeline.cache import cache_url, plan, run_cache
+from pipeline.stages.cache import cache_url, plan, run_cache
 from pipeline.errors import ShardPlanMismatchError
 from pipeline.run import DEFAULT_CONFIG, load_config
 
@@ -73,7 +73,7 @@ def test_cache_stage_counts_quarantine_and_resume(ray_local, tiny_target_dir, in
 
 
 def test_storage_budget_stops_before_prefill(ray_local, tiny_target_dir, input_cases, tmp_path):
-    from pipeline.cache import StorageBudgetError
+    from pipeline.stages.cache import StorageBudgetError
 
     cfg = _cfg(tiny_target_dir, tmp_path / "run", input_cases, "cache.storage_budget_bytes=1000")
     with pytest.raises(StorageBudgetError, match="storage_budget_bytes=1,000"):

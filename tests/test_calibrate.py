@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pipeline.calibrate import (ConfidenceSet, calibrate_drafter, collect_confidence, load_confidence,
+from pipeline.stages.calibrate import (ConfidenceSet, calibrate_drafter, collect_confidence, load_confidence,
                                 save_confidence)
 from pipeline.errors import PipelineError
-from pipeline.prefill import TargetPrefill
+from pipeline.target.prefill import TargetPrefill
 from training.target_weights import load_shared_weights
 from training.blocks import collate_samples
 from training.drafter import Drafter, DrafterConfig
@@ -117,10 +117,10 @@ def test_confidence_set_round_trip():
 def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, tiny_target_dir):
     from test_train import _cfg, _chats
 
-    from pipeline.cache import run_cache
-    from pipeline.calibrate import run_calibrate
-    from pipeline.export import run_export
-    from pipeline.train import run_train
+    from pipeline.stages.cache import run_cache
+    from pipeline.stages.calibrate import run_calibrate
+    from pipeline.stages.export import run_export
+    from pipeline.stages.train import run_train
 
     data = tmp_path / "chats.jsonl"
     _chats(data, 80)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load, load_file
 from transformers import AutoConfig
 
-from pipeline.export_format import FORMATS, ExportError, check_tensors, export_drafter, expected_tensors, load_export
+from pipeline.stages.export_format import FORMATS, ExportError, check_tensors, export_drafter, expected_tensors, load_export
 from training.target_weights import load_shared_weights
 from training.draft_vocab import build_d2t
 from training.drafter import Drafter, DrafterConfig

@@ -62,8 +62,8 @@ def test_features_mode_is_validated_at_config_load():
 
 
 def test_stream_items_follow_the_cache_order_and_resume_inside_a_shard():
-    from pipeline.chats import ShardSpan
-    from pipeline.stream import StreamPlan, shard_items
+    from pipeline.target.chats import ShardSpan
+    from pipeline.stages.stream import StreamPlan, shard_items
 
     counts = {0: 5, 1: 4, 2: 6, 3: 0, 4: 3, 5: 2}
     split = split_shards(counts, heldout_shards=1, validation_shards=1)
@@ -147,8 +147,8 @@ def test_max_ahead_bytes_counts_rows_produced_but_not_consumed():
 @pytest.fixture(scope="module")
 def cache_run(tmp_path_factory, ray_local, tiny_target_dir):
     """The reference: +stage=cache then +stage=train (cache mode) on 120 chats (8 shards of 16 rows)."""
-    from pipeline.cache import run_cache
-    from pipeline.train import run_train
+    from pipeline.stages.cache import run_cache
+    from pipeline.stages.train import run_train
 
     root = tmp_path_factory.mktemp("features")
     data = root / "chats.jsonl"
@@ -166,7 +166,7 @@ def _result(run_dir, name="dspark"):
 def test_online_losses_equal_cache_losses_and_nothing_is_stored(cache_run, tiny_target_dir):
     """Same seed, same order: per-step losses, validation tau and the consumed samples are equal
     bit for bit (the stream carries the bf16 bits the cache stores, prefilled in the same batches)."""
-    from pipeline.train import run_train
+    from pipeline.stages.train import run_train
 
     root, data = cache_run
     run_dir = root / "online"
@@ -187,7 +187,7 @@ def test_online_losses_equal_cache_losses_and_nothing_is_stored(cache_run, tiny_
 @pytest.mark.integration
 def test_hybrid_writes_the_cache_stage_cache_and_trains_identically(cache_run, tiny_target_dir, capsys):
     from ops.__main__ import main
-    from pipeline.train import run_train
+    from pipeline.stages.train import run_train
 
     root, data = cache_run
     run_dir = root / "hybrid"
@@ -207,7 +207,7 @@ def test_stream_stays_within_its_memory_bound_when_the_trainer_is_slow(cache_run
     """A 0.3 s pause per step makes the trainer far slower than the prefill actor. Unbounded, the
     actor runs ahead through the whole epoch; with a 512 KiB bound (under one shard) the stream's
     in-flight bytes stay within the bound plus the shards in flight (one per actor, one queued)."""
-    from pipeline.train import run_train
+    from pipeline.stages.train import run_train
 
     root, data = cache_run
     ahead = {}

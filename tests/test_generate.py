@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.chats import Chat, iter_chats, plan_spans
+from pipeline.target.chats import Chat, iter_chats, plan_spans
 from pipeline.config import RenderConfig
-from pipeline.engines import Generation, HFEngine, SamplingSpec, batch_seed, decode_answer, stop_token_ids
+from pipeline.target.engines import Generation, HFEngine, SamplingSpec, batch_seed, decode_answer, stop_token_ids
 from pipeline.errors import PipelineError
-from pipeline.generate import (GenerateSettingsMismatchError, ShardCommitConflictError, answer_slots,
+from pipeline.stages.generate import (GenerateSettingsMismatchError, ShardCommitConflictError, answer_slots,
                                check_records, committed_records, generate_shard, generate_url, generated_files,
                                plan, regenerate, request_seed, settings, write_shard)
-from pipeline.render import render_prompt
+from pipeline.target.render import render_prompt
 from pipeline.run import DEFAULT_CONFIG, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -218,8 +218,8 @@ def test_commit_protocol_on_s3(tiny_tokenizer, tiny_target_dir, input_cases, s3_
 
 @pytest.mark.integration
 def test_stage_resume_and_cache_chaining(ray_local, tiny_target_dir, input_cases, tmp_path):
-    from pipeline.cache import input_files, run_cache
-    from pipeline.generate import run_generate
+    from pipeline.stages.cache import input_files, run_cache
+    from pipeline.stages.generate import run_generate
 
     files = [input_cases / "chats" / "openai.jsonl", input_cases / "chats" / "sharegpt.jsonl"]
     cfg = _cfg(tiny_target_dir, tmp_path / "run", files, "generate.rows_per_shard=8", "generate.enabled=true",

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from pipeline.realised import Outcomes, compare, format_tables, from_rounds, plot_reliability, recommendation
-from pipeline.scheduler import SPSCurve
-from pipeline.speculate import Decoded, Round
+from pipeline.inference.realised import Outcomes, compare, format_tables, from_rounds, plot_reliability, recommendation
+from pipeline.inference.scheduler import SPSCurve
+from pipeline.inference.speculate import Decoded, Round
 
 
 def _outcomes(n: int, seed: int, t_true: float = 2.0) -> Outcomes:

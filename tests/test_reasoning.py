@@ -5,9 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.chats import Chat, iter_chats
+from pipeline.target.chats import Chat, iter_chats
 from pipeline.config import RenderConfig
-from pipeline.render import render_chat, render_prompt
+from pipeline.target.render import render_chat, render_prompt
 
 REASONING = Path(__file__).parent / "fixtures" / "reasoning" / "chats.jsonl"
 RC = RenderConfig()
@@ -141,7 +141,7 @@ class ReasoningEngine:
         self.tokenizer, self.prompts = tokenizer, []
 
     def generate(self, prompts, sampling, seeds):
-        from pipeline.engines import Generation
+        from pipeline.target.engines import Generation
 
         out = []
         for p in prompts:
@@ -155,7 +155,7 @@ class ReasoningEngine:
 
 
 def test_generate_stores_reasoning_and_skips_rows_cut_inside_it(qwen3_tokenizer, tmp_path):
-    from pipeline.generate import regenerate
+    from pipeline.stages.generate import regenerate
     from pipeline.run import DEFAULT_CONFIG, load_config
 
     tok = qwen3_tokenizer
@@ -182,7 +182,7 @@ def test_generate_stores_reasoning_and_skips_rows_cut_inside_it(qwen3_tokenizer,
 
 
 def test_answer_message_forms():
-    from pipeline.generate import answer_message, opens_reasoning
+    from pipeline.stages.generate import answer_message, opens_reasoning
 
     assert opens_reasoning("<|im_start|>assistant\n<think>\n")
     assert not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n") and not opens_reasoning("x\n")
@@ -208,7 +208,7 @@ def qwen3_target_dir(tmp_path_factory, tiny_qwen3, qwen3_tokenizer) -> str:
 @pytest.mark.integration
 def test_cache_stage_on_reasoning_data_supervises_the_think_block(ray_local, qwen3_target_dir, tmp_path):
     from ops import sample as ops_sample
-    from pipeline.cache import cache_url, run_cache
+    from pipeline.stages.cache import cache_url, run_cache
     from pipeline.run import DEFAULT_CONFIG, load_config
 
     cfg = load_config(DEFAULT_CONFIG, [f"target.path={qwen3_target_dir}", f"run_dir={tmp_path / 'run'}",
@@ -227,7 +227,7 @@ def test_cache_stage_on_reasoning_data_supervises_the_think_block(ray_local, qwe
 
 
 def test_a_thinking_switch_the_template_ignores_is_reported(qwen3_tokenizer, tok_chatml):
-    from pipeline.render import ignored_thinking_switch
+    from pipeline.target.render import ignored_thinking_switch
 
     said = ignored_thinking_switch(qwen3_tokenizer, RenderConfig(enable_thinking=False))
     assert said.startswith("data.render.enable_thinking=false has no effect") and "<think>" in said

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.scheduler import (SPSCurve, fill_top_k, schedule, schedule_production, simulate,
+from pipeline.inference.scheduler import (SPSCurve, fill_top_k, schedule, schedule_production, simulate,
                                 survival)
 from training.spec_sampling import verify_batch
 

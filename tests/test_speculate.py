@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from pipeline.config import DrafterSpec, RunConfig, SequentialHead
-from pipeline.evaluate import round_metrics
-from pipeline.prefill import LayerTap
-from pipeline.speculate import Decoded, Round, plain_decode, speculative_decode, threshold_policy
+from pipeline.stages.evaluate import round_metrics
+from pipeline.target.prefill import LayerTap
+from pipeline.inference.speculate import Decoded, Round, plain_decode, speculative_decode, threshold_policy
 from training.drafter import Drafter
 from pipeline.drafters import drafter_config
 

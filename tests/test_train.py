@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from cache_schema import FingerprintMismatchError
-from pipeline.cache import run_cache
+from pipeline.stages.cache import run_cache
 from pipeline.run import DEFAULT_CONFIG, load_config
 from training.checkpoint import CheckpointError, commit, latest_checkpoint, read_parts, write_part
 from training.data import micro_steps_per_epoch, rank_order, split_shards
@@ -98,7 +98,7 @@ def test_checkpoint_refuses_missing_rank_part(tmp_path):
 
 @pytest.mark.integration
 def test_fingerprint_mismatch_refused_before_training(cached_run, tiny_target_dir):
-    from pipeline.train import run_train
+    from pipeline.stages.train import run_train
 
     root, data = cached_run
     cfg = _cfg(tiny_target_dir, root / "run", data, "target.target_layer_ids=[0,1]")
@@ -110,7 +110,7 @@ def test_fingerprint_mismatch_refused_before_training(cached_run, tiny_target_di
 
 @pytest.mark.integration
 def test_zero2_loss_falls_and_matches_ddp(cached_run, tiny_target_dir, tmp_path):
-    from pipeline.train import run_train
+    from pipeline.stages.train import run_train
 
     root, data = cached_run
     runs = {}
@@ -187,7 +187,7 @@ def test_kill_and_resume_continues_at_next_step(cached_run, tiny_target_dir, tmp
 def test_reduced_draft_vocabulary_built_from_the_cache(cached_run, tiny_target_dir, tmp_path):
     """``draft_vocab_size``: d2t = the most frequent supervised tokens of the training shards."""
     from cache_schema import CacheReader
-    from pipeline.train import run_train
+    from pipeline.stages.train import run_train
     from training.data import split_shards
     from training.draft_vocab import build_d2t, count_supervised_tokens
     from pipeline.drafters import load_trained_drafter
@@ -244,10 +244,10 @@ def test_validation_batches_are_whole_and_equal_per_rank():
 def test_later_stages_refuse_a_config_that_disagrees_with_the_checkpoint(cached_run, tiny_target_dir, tmp_path):
     """The checkpoint records its model; calibrate, export and evaluate build from that record and
     refuse, before any compute, a config whose drafter differs (no weight shape would notice)."""
-    from pipeline.calibrate import run_calibrate
-    from pipeline.evaluate import run_evaluate
-    from pipeline.export import run_export
-    from pipeline.train import run_train
+    from pipeline.stages.calibrate import run_calibrate
+    from pipeline.stages.evaluate import run_evaluate
+    from pipeline.stages.export import run_export
+    from pipeline.stages.train import run_train
 
     root, data = cached_run
     run_dir = tmp_path / "record"

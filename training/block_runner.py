@@ -76,7 +76,7 @@ def evaluate_blocks(drafters: Mapping[str, torch.nn.Module], batches: Iterable[S
         tally: add to this tally (e.g. drafters of an fp8 cache, fed the same samples of that cache:
             the anchors depend only on the loss masks and the seed, so the blocks stay paired).
         records: if given, ``records[(name, T)]`` collects per-block realised outcomes for the
-            calibration on realised acceptance (:class:`pipeline.realised.Outcomes` fields): lists of
+            calibration on realised acceptance (:class:`pipeline.inference.realised.Outcomes` fields): lists of
             ``z`` [n, gamma] confidence logits (drafters with a head), ``max_q`` [n, gamma] (largest
             draft probability, of ``softmax(q_logits / T)``, at T = 0 of ``softmax(q_logits)``),
             ``accepted`` [n], ``verified`` [n] (valid prefix length) and ``group`` [n] (batch index).

@@ -1,5 +1,5 @@
 """What one drafter's training run is given: a typed job, built by the train stage
-(:func:`pipeline.train.train_job`) from the run config, so that ``training`` knows nothing of it."""
+(:func:`pipeline.stages.train.train_job`) from the run config, so that ``training`` knows nothing of it."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,7 +1,7 @@
 """Online and hybrid features: the rows a prefill stream carries to a training rank, and how the
 rank turns them back into the micro-batches cache mode would read (README "Feature modes").
 
-The row contract (produced by ``pipeline.stream``, consumed here; no Ray import in this module):
+The row contract (produced by ``pipeline.stages.stream``, consumed here; no Ray import in this module):
 
 - ``epoch`` int, ``index`` int: the sample's place in the rank's epoch order
   (:func:`training.data.rank_order`); validation rows have epoch -1 and index = position.

@@ -6,12 +6,12 @@ does both; it reuses ``VLLM_OUT`` when present):
     .venv/bin/python tests/compat/make_exports.py VLLM_OUT OUT
 
 Reads the trained DFlash and DSpark drafters of ``VLLM_OUT/run`` (the product's checkpoints) and writes,
-with :func:`pipeline.export_format.export_drafter`, ``OUT/<format>/<drafter>`` for both formats and four
+with :func:`pipeline.stages.export_format.export_drafter`, ``OUT/<format>/<drafter>`` for both formats and four
 drafters: ``dflash``, ``dspark`` and their reduced-vocabulary versions ``dflash-reduced`` /
 ``dspark-reduced`` (the same trained drafter restricted to the ``REDUCED`` most frequent
 tokens of the first 300 training chats: ``lm_head`` and the Markov ``W2`` rows of those tokens,
 ``d2t``/``t2d``).
-Each export is read back with :func:`pipeline.export_format.load_export` and must draft exactly as the
+Each export is read back with :func:`pipeline.stages.export_format.load_export` and must draft exactly as the
 drafter it came from. References in ``OUT/reference.safetensors``, for the tools' own checks:
 
 - ``prompt.i`` / ``greedy.i``: the prompts and the target's own greedy continuations (transformers);
@@ -102,8 +102,8 @@ def main(vllm_out: Path, out: Path) -> None:
     from make_exports import NEW_TOKENS as VLLM_TOKENS
     from make_exports import build_spec, dflash_acceptance, run_config
     from pipeline.embedded import ensure_embedded
-    from pipeline.export_format import FORMATS, export_drafter, load_export
-    from pipeline.prefill import LayerTap
+    from pipeline.stages.export_format import FORMATS, export_drafter, load_export
+    from pipeline.target.prefill import LayerTap
     from training.draft_vocab import build_d2t, count_supervised_tokens
     from pipeline.drafters import load_trained_drafter
 

@@ -94,7 +94,7 @@ def dflash_acceptance(target, drafter, layer_ids, prompts, continuations) -> lis
     """
     import torch
 
-    from pipeline.prefill import LayerTap
+    from pipeline.target.prefill import LayerTap
 
     tap = LayerTap(target, layer_ids)
     counts = [0] * (drafter.config.block_size + 1)
@@ -158,12 +158,12 @@ def _table(name: str, rows: dict[str, list]) -> None:
 def main(out: Path) -> None:
     from safetensors.torch import save_file
 
-    from pipeline.cache import run_cache
-    from pipeline.calibrate import run_calibrate
+    from pipeline.stages.cache import run_cache
+    from pipeline.stages.calibrate import run_calibrate
     from pipeline.embedded import EmbeddedSpecMismatch, ensure_embedded
-    from pipeline.export import run_export
-    from pipeline.generate import run_generate
-    from pipeline.train import run_train
+    from pipeline.stages.export import run_export
+    from pipeline.stages.generate import run_generate
+    from pipeline.stages.train import run_train
 
     out.mkdir(parents=True, exist_ok=True)
     times = {}

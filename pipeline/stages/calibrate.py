@@ -33,7 +33,7 @@ from pipeline.config import RunConfig
 from pipeline.errors import PipelineError
 from storage import filesystem, join, write_json
 
-log = logging.getLogger("pipeline.calibrate")
+log = logging.getLogger("pipeline.stages.calibrate")
 
 __all__ = ["ConfidenceSet", "collect_confidence", "calibrate_drafter", "save_confidence",
            "load_confidence", "run_calibrate"]
@@ -182,9 +182,9 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
         FileNotFoundError: a drafter has no committed checkpoint (run the train stage).
     """
     from cache_schema import CacheReader
-    from pipeline.cache import cache_url
-    from pipeline.target import resolve_target_path
-    from pipeline.train import expected_fingerprint
+    from pipeline.stages.cache import cache_url
+    from pipeline.target.loader import resolve_target_path
+    from pipeline.stages.train import expected_fingerprint
     from training.data import sample_batches, split_shards
     from pipeline.drafters import load_trained_drafter
     from training.losses import LossConfig, expected_tau

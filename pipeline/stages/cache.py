@@ -26,14 +26,14 @@ from cache_schema import (CacheSample, Fingerprint, StorageConfig, StorageUnavai
 from cache_schema.errors import storage_call
 from cache_schema.fingerprint import chat_template_sha256, tokenizer_sha256
 from cache_schema.layout import shard_name
-from pipeline.chats import BadRow, RowCounts, RowError, ShardSpan, iter_chats, plan_shards
+from pipeline.target.chats import BadRow, RowCounts, RowError, ShardSpan, iter_chats, plan_shards
 from pipeline.config import RunConfig
 from pipeline.errors import PipelineError, ShardPlanMismatchError
-from pipeline.render import ignored_thinking_switch, render_chat, render_options
+from pipeline.target.render import ignored_thinking_switch, render_chat, render_options
 from storage import filesystem, join
 from pipeline.paths import resolve_input
 
-log = logging.getLogger("pipeline.cache")
+log = logging.getLogger("pipeline.stages.cache")
 
 
 class StorageBudgetError(PipelineError):
@@ -50,7 +50,7 @@ def input_files(cfg: RunConfig) -> list[str]:
     (``generate.enabled``), else ``data.train_files``; ``embedded:`` names resolved."""
     if cfg.generate.enabled:
         try:
-            from pipeline.generate import generated_files
+            from pipeline.stages.generate import generated_files
         except ImportError:
             raise PipelineError("generate.enabled=true but this build has no generate stage; set "
                                 "generate.enabled=false to cache data.train_files as they are") from None
@@ -141,7 +141,7 @@ class ShardPrefillWriter:
 
     The cache stage maps it over rendered shards (``write=True``, ``emit=False``): it returns only
     metadata (counts, bytes, seconds) to the driver. The online / hybrid train stage
-    (:mod:`pipeline.stream`) flat-maps the same class over shard items that carry their span and
+    (:mod:`pipeline.stages.stream`) flat-maps the same class over shard items that carry their span and
     the stream order (``emit=True``): it renders the shard itself, prefills it whole (the same
     length-aware batches as the cache stage, hence the same bits), in hybrid mode (``write=True``)
     writes and commits it exactly as the cache stage would, or reads it back if it is already
@@ -157,9 +157,9 @@ class ShardPrefillWriter:
                  emit: bool = False, write: bool = True, local_dir: str | None = None):
         import torch
 
-        from pipeline.prefill import TargetPrefill
+        from pipeline.target.prefill import TargetPrefill
         from storage import configure_storage
-        from pipeline.target import load_target, resolve_target_path
+        from pipeline.target.loader import load_target, resolve_target_path
 
         configure_storage(cfg.storage)
         cuda = cfg.cache.gpus_per_worker > 0 and torch.cuda.is_available()
@@ -176,7 +176,7 @@ class ShardPrefillWriter:
         """The shard's samples, prefilled (stored order), and the prefill seconds."""
         import torch
 
-        from pipeline.prefill import length_batches
+        from pipeline.target.prefill import length_batches
 
         offsets = np.asarray(work["offsets"])
         all_ids, all_mask = np.array(work["ids"], dtype=np.int32), np.array(work["mask"], dtype=np.uint8)
@@ -223,7 +223,7 @@ class ShardPrefillWriter:
                 "busy_seconds": time.perf_counter() - t0, "error": ""}
 
     def _stream(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        """Stream rows of one shard item of :func:`pipeline.stream.shard_items`."""
+        """Stream rows of one shard item of :func:`pipeline.stages.stream.shard_items`."""
         from training.stream import sample_row
 
         shard = int(item["shard"])
@@ -315,7 +315,7 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
     from transformers import AutoConfig
 
     from pipeline.cluster import init_ray
-    from pipeline.target import resolve_target_path
+    from pipeline.target.loader import resolve_target_path
 
     local_dir = resolve_target_path(cfg.target.path)
     tok = _tokenizer(local_dir)

@@ -1,5 +1,5 @@
 """The export format contract: the directories that the serving and training tools load, written
-and read back (the export stage, :mod:`pipeline.export`, runs it on each trained drafter).
+and read back (the export stage, :mod:`pipeline.stages.export`, runs it on each trained drafter).
 
 Two formats (``export.format``), same tensors, same drafter:
 
@@ -419,7 +419,7 @@ def export_drafter(model, target_dir: str, out_url: str, *, temperatures: Sequen
         model: a trained :class:`training.drafter.Drafter`.
         target_dir: local target directory (its ``config.json``, ``embed_tokens``, ``lm_head``).
         out_url: destination folder, any fsspec URL.
-        temperatures: STS temperatures [gamma] (``pipeline.calibrate``), or None (uncalibrated).
+        temperatures: STS temperatures [gamma] (``pipeline.stages.calibrate``), or None (uncalibrated).
         global_temperature: the one temperature to fold into the confidence head (module docstring).
         fold_tolerance: without ``global_temperature``, fold the geometric mean of ``temperatures``
             when ``max(T)/min(T) - 1 <= fold_tolerance``; None never folds.

@@ -1,5 +1,5 @@
 """Export stage: write each trained drafter of the run in ``export.format`` (the contract, both
-formats and what vLLM applies to the confidence: :mod:`pipeline.export_format`)."""
+formats and what vLLM applies to the confidence: :mod:`pipeline.stages.export_format`)."""
 from __future__ import annotations
 
 import logging
@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from pipeline.config import RunConfig
-from pipeline.export_format import DSPARK_ARCH, FORMATS, ExportError, architecture, export_drafter
+from pipeline.stages.export_format import DSPARK_ARCH, FORMATS, ExportError, architecture, export_drafter
 from storage import filesystem, join, read_json
 
-log = logging.getLogger("pipeline.export")
+log = logging.getLogger("pipeline.stages.export")
 
 
 def _fresh_state(model, seed: int, target_dir: str) -> dict[str, torch.Tensor]:
@@ -29,7 +29,7 @@ def _fresh_state(model, seed: int, target_dir: str) -> dict[str, torch.Tensor]:
 def _vllm_view(cfg: RunConfig, name: str, info: dict[str, Any]) -> dict[str, Any] | None:
     """ECE per position of the confidence as vLLM computes it (raw sigmoid of the exported head), on the
     calibrate stage's report half (as its before / after figures)."""
-    from pipeline.calibrate import load_confidence
+    from pipeline.stages.calibrate import load_confidence
     from training.sts import calibration_report
 
     data = load_confidence(join(cfg.run_dir, "calibrate", name, "confidence.safetensors")).split()[1]
@@ -54,7 +54,7 @@ def run_export(cfg: RunConfig) -> dict[str, Any]:
             incomplete/untrained.
         FileNotFoundError: a drafter has no committed checkpoint (run the train stage).
     """
-    from pipeline.target import resolve_target_path
+    from pipeline.target.loader import resolve_target_path
     from pipeline.drafters import load_trained_drafter
 
     if cfg.export.format not in FORMATS:

@@ -12,7 +12,7 @@ seeded per request from (seed, source, row, turn) and HF batches are fixed by in
 killed run, rerun, ends with the rows (and text) of an uninterrupted one: none duplicated or lost.
 
 Layout under ``<run_dir>/generate/``: ``shards/shard-000000.jsonl`` (OpenAI ``messages`` rows that
-:func:`pipeline.chats.iter_chats` reads), ``errors/shard-000000.jsonl`` (skipped and failed rows with
+:func:`pipeline.target.chats.iter_chats` reads), ``errors/shard-000000.jsonl`` (skipped and failed rows with
 their source file and line), ``commits/shard-000000.json`` (counts, checksum, settings).
 
 Reasoning targets (Qwen3 thinking): the prompt is rendered in ``data.render.enable_thinking``'s
@@ -36,15 +36,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from cache_schema.errors import storage_call
-from pipeline.chats import REASONS, BadRow, Chat, RowError, ShardSpan, iter_chats, plan_shards
+from pipeline.target.chats import REASONS, BadRow, Chat, RowError, ShardSpan, iter_chats, plan_shards
 from pipeline.config import RunConfig
-from pipeline.engines import GenerationEngine, SamplingSpec
+from pipeline.target.engines import GenerationEngine, SamplingSpec
 from pipeline.errors import PipelineError
-from pipeline.render import apply_render_policy, generation_prompt, render_options, render_prompt
+from pipeline.target.render import apply_render_policy, generation_prompt, render_options, render_prompt
 from storage import create_exclusive, filesystem, indexed_name, join
 from pipeline.paths import resolve_input
 
-log = logging.getLogger("pipeline.generate")
+log = logging.getLogger("pipeline.stages.generate")
 
 # generation failure code -> what a user reads in the error file (ingestion codes: chats.REASONS)
 GENERATE_REASONS = {
@@ -184,8 +184,8 @@ def regenerate(chats: Sequence[Chat | BadRow], engine: GenerationEngine, cfg: Ru
     after the previous answer (the cache could supervise none of the rest); the row is kept.
 
     Args:
-        chats: one shard's items from :func:`pipeline.chats.iter_chats` (``require_answer=False``).
-        engine: a :class:`pipeline.engines.GenerationEngine` (its ``tokenizer`` renders prompts).
+        chats: one shard's items from :func:`pipeline.target.chats.iter_chats` (``require_answer=False``).
+        engine: a :class:`pipeline.target.engines.GenerationEngine` (its ``tokenizer`` renders prompts).
 
     Returns:
         :class:`ShardResult`; a failed row (``GENERATE_REASONS`` or render codes) is in ``errors``
@@ -371,7 +371,7 @@ def generated_files(cfg: RunConfig) -> list[str]:
             shard file is missing or has another size than its commit record says.
         GenerateSettingsMismatchError: the output was made with other settings or inputs.
     """
-    from pipeline.target import resolve_target_path
+    from pipeline.target.loader import resolve_target_path
 
     out = generate_url(cfg)
     shards = plan(cfg)
@@ -397,7 +397,7 @@ class ShardGenerator:
     regenerates, writes and commits each shard it is given and returns only metadata."""
 
     def __init__(self, cfg: RunConfig, out_url: str, settings_: dict[str, Any], use_gpu: bool):
-        from pipeline.engines import make_engine
+        from pipeline.target.engines import make_engine
         from storage import configure_storage
 
         configure_storage(cfg.storage)
@@ -460,7 +460,7 @@ def run_generate(cfg: RunConfig) -> dict[str, Any]:
     from tqdm import tqdm
 
     from pipeline.cluster import init_ray
-    from pipeline.target import resolve_target_path
+    from pipeline.target.loader import resolve_target_path
 
     SamplingSpec.from_config(cfg.generate)  # validate before any start-up
     out = generate_url(cfg)

@@ -1,11 +1,11 @@
 """Online and hybrid features (``train.features``): the Ray Data streams that feed Ray Train workers.
 
-Per drafter, the driver plans the cache's shards (the same ``pipeline.cache.plan``), renders them
+Per drafter, the driver plans the cache's shards (the same ``pipeline.stages.cache.plan``), renders them
 once to count their samples (the same ``render_shard``; tokens only, no prefill), splits them with
 the same :func:`training.data.split_shards` and builds, for each training rank, one dataset of shard
 items in the rank's seeded order (:func:`training.data.rank_order`: epoch by epoch, shard by shard,
 each item naming the positions to emit). The items flat-map through the cache stage's own prefill
-actor (:class:`pipeline.cache.ShardPrefillWriter`, ``emit=True``), which renders, prefills and (hybrid)
+actor (:class:`pipeline.stages.cache.ShardPrefillWriter`, ``emit=True``), which renders, prefills and (hybrid)
 commits each shard. Ray Data keeps the item order (``preserve_order``) and bounds the stream's object
 store memory (``train.stream_memory_bytes``) and each actor holds one shard in flight, so a slow
 trainer stalls the prefill actors instead of filling the object store.
@@ -43,8 +43,8 @@ def stream_plan(cfg: RunConfig, local_dir: str, heldout_shards: int, validation_
     """
     import ray
 
-    from pipeline.cache import plan, render_shard
-    from pipeline.chats import ShardSpan
+    from pipeline.stages.cache import plan, render_shard
+    from pipeline.target.chats import ShardSpan
     from pipeline.errors import PipelineError
     from training.data import split_shards
 
@@ -111,7 +111,7 @@ def _item(plan: StreamPlan, shard: int, epoch: int, index: int, positions: list[
 def _prefill(ds, cfg: RunConfig, root_url: str, fingerprint, local_dir: str, write: bool):
     import ray
 
-    from pipeline.cache import ShardPrefillWriter, storage_config
+    from pipeline.stages.cache import ShardPrefillWriter, storage_config
 
     return ds.flat_map(ShardPrefillWriter, fn_constructor_args=(cfg, root_url, fingerprint, storage_config(cfg)),
                        fn_constructor_kwargs={"emit": True, "write": write, "local_dir": local_dir},

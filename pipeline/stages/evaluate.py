@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.chats import Chat, iter_chats
+from pipeline.target.chats import Chat, iter_chats
 from pipeline.config import RunConfig
-from pipeline.render import render_options, render_prompt, thinking_mode
-from pipeline.speculate import Decoded, plain_decode, speculative_decode, threshold_policy
+from pipeline.target.render import render_options, render_prompt, thinking_mode
+from pipeline.inference.speculate import Decoded, plain_decode, speculative_decode, threshold_policy
 from pipeline.errors import PipelineError
 from storage import join, read_json
 from pipeline.paths import resolve_input
@@ -126,8 +126,8 @@ def block_level(cfg: RunConfig, drafters: dict[str, Any], target_dir: str, recor
         :func:`training.block_eval.summarise` with pair keys written ``"a/b"`` and ``table`` (markdown).
     """
     from cache_schema import CacheReader
-    from pipeline.cache import cache_url
-    from pipeline.train import expected_fingerprint
+    from pipeline.stages.cache import cache_url
+    from pipeline.stages.train import expected_fingerprint
     from training.block_eval import format_table, summarise
     from training.block_runner import evaluate_blocks
     from training.data import sample_batches, split_shards
@@ -155,17 +155,17 @@ def _global_temperature(cfg: RunConfig, name: str) -> float | None:
 def realised_calibration(cfg: RunConfig, drafters: dict[str, Any], decoded: dict, block_records: dict, sps
                          ) -> tuple[dict[str, Any], str]:
     """Calibration on realised acceptance per drafter with a confidence head and temperature
-    (:mod:`pipeline.realised`): estimators fitted on the block-level outcomes of even held-out
+    (:mod:`pipeline.inference.realised`): estimators fitted on the block-level outcomes of even held-out
     batches (without a block-level evaluation: on the decoding rounds of even prompts), reported on
     the decoding rounds and on the odd batches; the scheduler simulation replays the decoding rounds.
     Writes ``evaluate/reliability_<drafter>_T<T>.png``.
 
     Returns:
-        ``({name: {"T=..": pipeline.realised.compare result}}, markdown)``: the tables and, per drafter vLLM
-        serves, the serving recommendation (:func:`pipeline.realised.recommendation`).
+        ``({name: {"T=..": pipeline.inference.realised.compare result}}, markdown)``: the tables and, per drafter vLLM
+        serves, the serving recommendation (:func:`pipeline.inference.realised.recommendation`).
     """
-    from pipeline.export_format import DSPARK_ARCH, ExportError, architecture
-    from pipeline.realised import (compare, conditional, format_tables, from_records, from_rounds,
+    from pipeline.stages.export_format import DSPARK_ARCH, ExportError, architecture
+    from pipeline.inference.realised import (compare, conditional, format_tables, from_records, from_rounds,
                                    plot_reliability, recommendation)
 
     ev, out_dir = cfg.evaluate, join(cfg.run_dir, "evaluate")
@@ -216,13 +216,13 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
     another mode is refused).
     """
     from pipeline.eval_report import plot_acceptance, tau_table, write_text
-    from pipeline.prefill import LayerTap
-    from pipeline.scheduler import SPSCurve, simulate
-    from pipeline.sps import profile_sps
-    from pipeline.target import load_target
+    from pipeline.target.prefill import LayerTap
+    from pipeline.inference.scheduler import SPSCurve, simulate
+    from pipeline.inference.sps import profile_sps
+    from pipeline.target.loader import load_target
     from pipeline.drafters import load_trained_drafter
 
-    from pipeline.target import resolve_target_path
+    from pipeline.target.loader import resolve_target_path
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     target_dir = resolve_target_path(cfg.target.path)  # drafters first: a config they refuse costs nothing

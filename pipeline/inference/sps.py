@@ -1,6 +1,6 @@
 """Profile the target's verification speed: steps per second SPS(B) at B tokens per step.
 
-``python -m pipeline.sps conf/tiny.yaml --out sps.json [key=value ...]`` measures this machine's
+``python -m pipeline.inference.sps conf/tiny.yaml --out sps.json [key=value ...]`` measures this machine's
 curve; the evaluate stage loads a saved table (e.g. measured on a GPU) from ``evaluate.sps_table``
 or profiles the target itself.
 """
@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from pipeline.scheduler import SPSCurve
+from pipeline.inference.scheduler import SPSCurve
 
 DEFAULT_BATCH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -50,7 +50,7 @@ def profile_sps(model, batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS, *, co
 
 def main(argv: Sequence[str] | None = None) -> None:
     from pipeline.run import load_config
-    from pipeline.target import load_target
+    from pipeline.target.loader import load_target
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config")

@@ -19,7 +19,7 @@ one split (``fit``) and reported on another:
 
 Metrics per position (:func:`metrics`): ECE with equal-width bins (10 and 15, as the calibrate
 stage) and equal-mass bins, Brier, AUC. Each estimator also drives the scheduler simulation
-(:func:`pipeline.scheduler.simulate`) on the realised full blocks, against the best fixed block length.
+(:func:`pipeline.inference.scheduler.simulate`) on the realised full blocks, against the best fixed block length.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class Outcomes:
 
 
 def from_rounds(runs: Sequence) -> Outcomes:
-    """Outcomes of the decoding loop: one row per round (``pipeline.speculate.Round``) with a
+    """Outcomes of the decoding loop: one row per round (``pipeline.inference.speculate.Round``) with a
     confidence head and ``max_q``; group = prompt index. Raises ValueError if none has both."""
     rows = [(i, r) for i, d in enumerate(runs) for r in d.rounds
             if r.confidence_logits is not None and r.max_q is not None and r.verified > 0]
@@ -198,7 +198,7 @@ def compare(fit: Outcomes, reports: dict[str, Outcomes], sps, *, concurrency: Se
         "simulation": {"set", "blocks", "fixed": {R: {gamma: tokens/s}}, "best_fixed": {R: gamma},
         name: {R: {"tokens_per_s", "ratio", "ratio_production", "verified_per_request"}}}}`` (R as str).
     """
-    from pipeline.scheduler import simulate
+    from pipeline.inference.scheduler import simulate
 
     est = fit_estimators(fit, export_temperature=export_temperature, n_bins=n_bins)
     out: dict[str, Any] = {"fit_blocks": fit.num_blocks, "estimators": est, "metrics": {}}

@@ -16,7 +16,7 @@ from storage import join, read_json
 
 def train_job(cfg: RunConfig, name: str, fingerprint_json: str, target_dir: str):
     """The :class:`training.job.TrainJob` of drafter ``name`` of the run config."""
-    from pipeline.cache import cache_url
+    from pipeline.stages.cache import cache_url
     from pipeline.drafters import drafter_config
     from training.job import TrainJob
     from training.losses import LossConfig
@@ -41,7 +41,7 @@ def expected_fingerprint(cfg: RunConfig, target_dir: str):
     """The fingerprint a cache must carry to train this config's drafters on it."""
     from transformers import AutoConfig
 
-    from pipeline.cache import _tokenizer, target_fingerprint
+    from pipeline.stages.cache import _tokenizer, target_fingerprint
 
     return target_fingerprint(cfg, _tokenizer(target_dir), target_dir,
                               AutoConfig.from_pretrained(target_dir, local_files_only=True))
@@ -74,7 +74,7 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
     """``+stage=train``: train every drafter of ``train.drafters`` on the same cache and budget.
 
     ``train.features`` picks where the features come from: the committed cache, or (online,
-    hybrid) the prefill actors streaming through Ray Data into the workers (:mod:`pipeline.stream`);
+    hybrid) the prefill actors streaming through Ray Data into the workers (:mod:`pipeline.stages.stream`);
     the worker, model, loss and sample order are the same in every mode.
 
     Raises:
@@ -84,11 +84,11 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
     from ray.train.torch import TorchTrainer
 
     from cache_schema import CacheReader
-    from pipeline.cache import cache_url
+    from pipeline.stages.cache import cache_url
     from pipeline.cluster import init_ray
-    from pipeline.target import resolve_target_path
+    from pipeline.target.loader import resolve_target_path
     from pipeline.errors import PipelineError
-    from pipeline.stream import data_config, stream_plan
+    from pipeline.stages.stream import data_config, stream_plan
     from training.data import split_shards
     from training.loop import plan_steps, total_steps, train_worker
 
@@ -127,7 +127,7 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
     root = None
     if mode == "hybrid":  # the cache the stream commits: same root, fingerprint and plan checks as +stage=cache
         from cache_schema import open_cache
-        from pipeline.cache import resume_plan, storage_config
+        from pipeline.stages.cache import resume_plan, storage_config
 
         root = open_cache(cache_url(cfg), fp, create=True, storage=storage_config(cfg))
         resume_plan(cfg, root)
@@ -152,7 +152,7 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
         for name, result in zip(todo, pool.map(fit, todo)):
             results[name] = result
     if mode == "hybrid":
-        from pipeline.cache import cache_totals
+        from pipeline.stages.cache import cache_totals
 
         storage_write_summary(cfg, cache_totals(cache_url(cfg)))
     return {"drafters": results}
@@ -160,10 +160,10 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
 
 def _stream_datasets(cfg: RunConfig, job, plan, micro_per_epoch: list[int], fp, target_dir: str, root):
     """Ray Train datasets of one drafter's online / hybrid run, from its resume position on
-    (:mod:`pipeline.stream`). A hybrid run resumed after epoch 0 first completes the cache it was
+    (:mod:`pipeline.stages.stream`). A hybrid run resumed after epoch 0 first completes the cache it was
     writing with the cache stage itself (committed shards kept, uncommitted ones redone)."""
-    from pipeline.cache import cache_url
-    from pipeline.stream import build_datasets, shard_items
+    from pipeline.stages.cache import cache_url
+    from pipeline.stages.stream import build_datasets, shard_items
     from training.checkpoint import latest_checkpoint
 
     found = latest_checkpoint(job.output_url)
@@ -171,7 +171,7 @@ def _stream_datasets(cfg: RunConfig, job, plan, micro_per_epoch: list[int], fp, 
     hybrid = cfg.train.features.value == "hybrid"
     committed = set(root.committed_records()) if root is not None else set()
     if hybrid and epoch > 0 and not set(plan.counts) <= committed:
-        from pipeline.cache import run_cache
+        from pipeline.stages.cache import run_cache
 
         run_cache(cfg)
     items = shard_items(plan, seed=job.seed, micro_per_epoch=micro_per_epoch, micro_batch=job.micro_batch_samples,
@@ -183,7 +183,7 @@ def _stream_datasets(cfg: RunConfig, job, plan, micro_per_epoch: list[int], fp, 
 
 def storage_write_summary(cfg: RunConfig, totals: dict[str, Any]) -> None:
     """``cache/summary.json`` of a cache the hybrid stream wrote (what the cache stage writes)."""
-    from pipeline.cache import cache_url
+    from pipeline.stages.cache import cache_url
     from storage import write_json
 
     write_json(join(cache_url(cfg), "summary.json"), totals)
