@@ -15,21 +15,13 @@ from pipeline.errors import ConfigError
 from pipeline.run import DEFAULT_CONFIG, load_config
 from training.data import rank_order, split_shards
 from training.stream import ConsumedLog, MemoryReader, StreamFeed, StreamOrderError, max_ahead_bytes, sample_row
+from chatgen import write_chats
 
 TRAIN = ["train.num_anchors=8", "train.drafters.dspark.markov_rank=8", "train.drafters.dspark.num_layers=1",
          "~train.drafters.dflash", "train.num_workers=1", "train.concurrent_drafters=1", "train.heldout_shards=1",
          "train.validation_shards=1", "train.validate_every_steps=4", "train.micro_batch_samples=4",
          "train.global_batch_samples=4", "train.lr=3e-3", "train.epochs=2", "cache.num_workers=1",
          "train.checkpoint_every_steps=100", "ray.num_cpus=2"]
-
-
-def _chats(path: Path, n: int):
-    words = "the of and to in is for return def self if else value list dict none true false data file".split()
-    with path.open("w") as f:
-        for i in range(n):
-            a = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(30 + i % 25))
-            f.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i} " + words[i % 20]},
-                                                            {"role": "assistant", "content": a}]}) + "\n")
 
 
 def _args(target, run_dir, data, *extra):
@@ -152,7 +144,7 @@ def cache_run(tmp_path_factory, ray_local, tiny_target_dir):
 
     root = tmp_path_factory.mktemp("features")
     data = root / "chats.jsonl"
-    _chats(data, 120)
+    write_chats(data, 120)
     run_cache(_cfg(tiny_target_dir, root / "cache", data))
     run_train(_cfg(tiny_target_dir, root / "cache", data))
     return root, data
@@ -239,7 +231,7 @@ def test_sigkill_and_resume_sees_the_same_samples(mode, tiny_target_dir, tmp_pat
     from ops.__main__ import main
 
     data = tmp_path / "chats.jsonl"
-    _chats(data, 120)
+    write_chats(data, 120)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "DS_ACCELERATOR": "cpu"}
     killed, full = tmp_path / "killed", tmp_path / "full"
     p = subprocess.Popen(_cli(tiny_target_dir, killed, data, f"train.features={mode}", "train.step_delay_s=0.3"),
@@ -293,7 +285,7 @@ def test_online_train_via_ray_job_submit_with_the_run_on_s3(tiny_target_dir, s3_
     from pipeline.cluster import local_head, submit
 
     data = tmp_path / "chats.jsonl"
-    _chats(data, 120)
+    write_chats(data, 120)
     entry = [sys.executable, "-m", "pipeline.run", "+stage=train", str(DEFAULT_CONFIG),
              *_args(tiny_target_dir, s3_url, data, "train.features=online", "train.epochs=1", "train.max_steps=6")]
     entry = [a for a in entry if a != "ray.num_cpus=2"]

@@ -17,19 +17,11 @@ from pipeline.run import DEFAULT_CONFIG, load_config
 from training.checkpoint import CheckpointError, commit, latest_checkpoint, read_parts, write_part
 from training.data import micro_steps_per_epoch, rank_order, split_shards
 from training.engine import lr_lambda
+from chatgen import write_chats
 
 TRAIN = ["train.num_anchors=8", "train.drafters.dspark.markov_rank=8", "train.drafters.dspark.num_layers=1",
          "~train.drafters.dflash", "train.num_workers=2", "train.concurrent_drafters=1", "train.heldout_shards=1",
          "train.validation_shards=0", "train.micro_batch_samples=4", "train.global_batch_samples=16", "train.lr=3e-3"]
-
-
-def _chats(path: Path, n: int):
-    words = "the of and to in is for return def self if else value list dict none true false data file".split()
-    with path.open("w") as f:
-        for i in range(n):
-            a = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(30 + i % 25))
-            f.write(json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i} " + words[i % 20]},
-                                                            {"role": "assistant", "content": a}]}) + "\n")
 
 
 def _cfg(target, run_dir, data, *extra):
@@ -42,7 +34,7 @@ def _cfg(target, run_dir, data, *extra):
 def cached_run(tmp_path_factory, ray_local, tiny_target_dir):
     root = tmp_path_factory.mktemp("train")
     data = root / "chats.jsonl"
-    _chats(data, 120)
+    write_chats(data, 120)
     run_cache(_cfg(tiny_target_dir, root / "run", data))
     return root, data
 

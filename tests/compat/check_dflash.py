@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from findings import Findings
+
 
 def main(out: Path) -> None:
     import dflash
@@ -36,16 +38,8 @@ def main(out: Path) -> None:
     manifest = json.loads((out / "manifest.json").read_text())
     ref = load_file(str(out / "reference.safetensors"))
     target = AutoModelForCausalLM.from_pretrained(manifest["target"], dtype=torch.float32).eval()
-    results, rows = [], []
-
-    def row(cells: dict) -> None:
-        print("row: " + json.dumps(cells))
-        rows.append(cells)
-
-    def report(ok: bool, what: str) -> bool:
-        print(f"{'ok' if ok else 'FAIL'}: {what}", flush=True)
-        results.append(ok)
-        return ok
+    found = Findings(out, __file__)
+    row, report = found.row, found.report
 
     version = getattr(dflash, "__version__", None) or __import__("importlib.metadata").metadata.version("dflash")
     for e in manifest["exports"]:
@@ -95,10 +89,7 @@ def main(out: Path) -> None:
              "as_trained": (not reduced) and accept_same == n and model.block_size == e["block_size"],
              "ignores": "reduced vocabulary (unread lm_head, d2t, t2d): drafts over the full target vocabulary"
              if reduced else "none"})
-    (out / f"rows-{Path(__file__).stem}.json").write_text(json.dumps(rows, indent=1))
-    passed = sum(results)
-    print(f"{passed} passed, {len(results) - passed} failed")
-    sys.exit(0 if all(results) else 1)
+    found.finish()
 
 
 if __name__ == "__main__":

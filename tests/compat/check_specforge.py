@@ -24,6 +24,8 @@ import json
 import sys
 from pathlib import Path
 
+from findings import Findings
+
 
 def main(out: Path) -> None:
     from importlib.metadata import version as pkg_version
@@ -42,16 +44,8 @@ def main(out: Path) -> None:
     reads_temperatures = [str(p.relative_to(Path(specforge.__file__).parent)) for p in
                           Path(specforge.__file__).parent.rglob("*.py") if "confidence_temperatures" in p.read_text()]
     print(f"  files of specforge that read confidence_temperatures: {reads_temperatures or 'none'}")
-    results, rows = [], []
-
-    def row(cells: dict) -> None:
-        print("row: " + json.dumps(cells))
-        rows.append(cells)
-
-    def report(ok: bool, what: str) -> bool:
-        print(f"{'ok' if ok else 'FAIL'}: {what}", flush=True)
-        results.append(ok)
-        return ok
+    found = Findings(out, __file__)
+    row, report = found.row, found.report
 
     for e in manifest["exports"]:
         if e["format"] != "native":
@@ -115,10 +109,7 @@ def main(out: Path) -> None:
         row({"tool": "SpecForge", "version": version, "format": "native", "drafter": name,
                                     "loads": complete, "lossless": lossless == n,
                                     "as_trained": complete and layout and heads and not reduced, "ignores": ignores})
-    (out / f"rows-{Path(__file__).stem}.json").write_text(json.dumps(rows, indent=1))
-    passed = sum(results)
-    print(f"{passed} passed, {len(results) - passed} failed")
-    sys.exit(0 if all(results) else 1)
+    found.finish()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from findings import Findings
+
 
 def main(out: Path) -> None:
     import torch
@@ -38,16 +40,8 @@ def main(out: Path) -> None:
     root = Path(speculators.__file__).parent
     reads_temperatures = [str(p.relative_to(root)) for p in root.rglob("*.py") if "confidence_temperatures" in p.read_text()]
     print(f"  files of speculators that read confidence_temperatures: {reads_temperatures or 'none'}")
-    results, rows = [], []
-
-    def row(cells: dict) -> None:
-        print("row: " + json.dumps(cells))
-        rows.append(cells)
-
-    def report(ok: bool, what: str) -> bool:
-        print(f"{'ok' if ok else 'FAIL'}: {what}", flush=True)
-        results.append(ok)
-        return ok
+    found = Findings(out, __file__)
+    row, report = found.row, found.report
 
     for e in manifest["exports"]:
         name, path = e["drafter"], e["path"]
@@ -104,10 +98,7 @@ def main(out: Path) -> None:
                                     "lossless": None, "as_trained": layout and vocab,
                                     "ignores": "confidence_temperatures" if name.startswith("dspark")
                                     and not reads_temperatures else "none"})
-    (out / f"rows-{Path(__file__).stem}.json").write_text(json.dumps(rows, indent=1))
-    passed = sum(results)
-    print(f"{passed} passed, {len(results) - passed} failed")
-    sys.exit(0 if all(results) else 1)
+    found.finish()
 
 
 if __name__ == "__main__":
