@@ -91,6 +91,7 @@ def reap_orphaned_instances(records: Path = LOCAL_RECORDS, grace_s: float = 5.0)
     _, left = psutil.wait_procs(stopped, timeout=grace_s)
     for proc in left:
         proc.kill()
+    psutil.wait_procs(left, timeout=grace_s)  # SIGKILL is delivered asynchronously: gone on return
     return len(stopped)
 
 

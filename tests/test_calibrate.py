@@ -115,7 +115,8 @@ def test_confidence_set_round_trip():
 
 @pytest.mark.integration
 def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, tiny_target_dir):
-    from test_train import _cfg, _chats
+    from chatgen import write_chats
+    from test_train import _cfg
 
     from pipeline.stages.cache import run_cache
     from pipeline.stages.calibrate import run_calibrate
@@ -123,7 +124,7 @@ def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, t
     from pipeline.stages.train import run_train
 
     data = tmp_path / "chats.jsonl"
-    _chats(data, 80)
+    write_chats(data, 80)
     cfg = _cfg(tiny_target_dir, tmp_path / "run", data, "train.max_steps=6", "train.checkpoint_every_steps=100",
                "++train.drafters.dflash={num_layers: 1, block_size: 7, sample_from_anchor: true, mask_token_id: 5, "
                "head: none, markov_rank: 0, confidence_head: false}", "calibrate.bins=10")
