@@ -79,7 +79,11 @@ def retry_budget_s(policy: RetryPolicy) -> float:
 
 def indexed_name(prefix: str, index: int) -> str:
     """The one naming rule of numbered units: ``prefix`` + the index in six digits (cache shards
-    ``s000042``, generate shards ``shard-000042``, checkpoints ``step-000100``)."""
+    ``s000042``, generate shards ``shard-000042``, checkpoints ``step-000100``).
+
+    Raises:
+        ValueError: a negative index.
+    """
     if index < 0:
         raise ValueError(f"a unit index is >= 0, got {index}")
     return f"{prefix}{index:06d}"
