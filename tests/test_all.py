@@ -61,11 +61,18 @@ def test_all_stages_on_s3(tmp_path, s3_url):
         rows = [json.loads(x) for x in fs.cat(join(run_dir, "train", name, "metrics.jsonl")).splitlines()]
         losses = [r["loss"] for r in rows]
         assert sum(losses[-3:]) < sum(losses[:3]), losses  # it learned
+    # 4 prompts of 24 tokens are too few to show learning in the decoding loop (a 6-step DFlash may
+    # accept nothing at T=0); the block-level evaluation (hundreds of held-out blocks) shows it
     for T in ("T=0", "T=1"):
         drafters = s["evaluate"]["results"][T]["drafters"]
         for name in ("dflash", "dspark"):
             overall = drafters[name]["overall"]
-            assert overall["rounds"] > 0 and 1.0 < overall["tau"] <= 5.0, (T, name, overall)
+            assert overall["rounds"] > 0 and 1.0 <= overall["tau"] <= 5.0, (T, name, overall)
+    blocks = s["evaluate"]["blocks"]["drafters"]
+    for name in ("dflash", "dspark"):
+        greedy, sampled = blocks[name]["0.0"], blocks[name]["1.0"]
+        assert greedy["n"] == sampled["n"] > 100, (name, greedy["n"])
+        assert greedy["tau"] > 1.0 + 3 * greedy["tau_se"] and sampled["tau"] > 1.0 + 3 * sampled["tau_se"]
     sched = s["evaluate"]["scheduler"]["dspark"]["results"]
     assert [r["R"] for r in sched] == [1, 8]
     assert all(r["scheduler"]["tokens_per_s"] > 0 and r["ratio_scheduler"] > 0 for r in sched)
