@@ -129,12 +129,10 @@ def check_target_layers(cfg: RunConfig, target_dir: str) -> None:
     """
     from transformers import AutoConfig
 
-    n = AutoConfig.from_pretrained(target_dir, local_files_only=True).num_hidden_layers
-    ids = list(cfg.target.target_layer_ids)
-    if ids[-1] > n - 2:
-        raise ConfigError(f"target.target_layer_ids: {ids} must be <= {n - 2} for this {n}-layer target (the last "
-                          f"layer's output comes after the final norm), e.g. target.target_layer_ids="
-                          f"[{','.join(str(i) for i in range(max(0, n - 4), n - 1))}]")
+    from pipeline.target.prefill import check_layer_ids
+
+    check_layer_ids(cfg.target.target_layer_ids,
+                    AutoConfig.from_pretrained(target_dir, local_files_only=True).num_hidden_layers)
 
 
 def run_stages(cfg: RunConfig) -> dict[str, dict[str, Any]]:

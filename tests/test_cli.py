@@ -87,6 +87,8 @@ def test_relative_paths_become_absolute(tmp_path, monkeypatch, local_target):
     ("cache.feature_dtype=fp16", "cache.feature_dtype: Invalid value 'fp16'"),
     ("target.target_layer_ids=[3,1]", "target.target_layer_ids: must be strictly ascending"),
     ("train.drafters.dspark.markov_rank=0", "train.drafters.dspark.markov_rank: must be > 0 exactly when head != none"),
+    ("generate.top_p=0", "generate.top_p: must be in (0, 1]"),
+    ("generate.rows_per_shard=0", "generate.rows_per_shard: must be >= 1"),
 ])
 def test_bad_config_is_one_line(override, msg):
     with pytest.raises(ConfigError) as e:
@@ -138,7 +140,7 @@ def test_dry_run_refuses_layer_ids_the_target_lacks(local_target):
     r = _cli("+stage=train", str(DEFAULT_CONFIG), f"target.path={local_target}", "target.target_layer_ids=[0,3]",
              "dry_run=true")
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.startswith("error: config error: target.target_layer_ids: [0, 3] must be <= 2"), r.stderr
+    assert r.stderr.startswith("error: config error: target.target_layer_ids: [0, 3] must lie in [-1, 2]"), r.stderr
 
 
 def test_product_error_inside_ray_wrapping_is_found():

@@ -16,7 +16,7 @@ from pipeline.stages.cache import run_cache
 from pipeline.run import DEFAULT_CONFIG, load_config
 from training.checkpoint import CheckpointError, commit, latest_checkpoint, read_parts, write_part
 from training.data import micro_steps_per_epoch, rank_order, split_shards
-from training.engine import lr_lambda
+from training.engine import clear_stale_build_locks, lr_lambda
 from chatgen import write_chats
 
 TRAIN = ["train.num_anchors=8", "train.drafters.dspark.markov_rank=8", "train.drafters.dspark.num_layers=1",
@@ -48,6 +48,20 @@ def test_lr_schedule_warmup_then_cosine_peak_first():
     f = lr_lambda(100, 0.04)
     assert [round(f(s), 4) for s in range(5)] == [0.2, 0.4, 0.6, 0.8, 1.0]  # W = 4; step 4 is the peak
     assert f(5) < 1.0 and f(99) < 0.001 and abs(f(52) - 0.5) < 1e-9
+
+
+def test_only_stale_deepspeed_build_locks_are_removed(tmp_path):
+    """A build killed mid-way leaves its lock and every later DeepSpeed CPU init would wait on it."""
+    old, fresh, other = (tmp_path / "deepspeed_shm_comm/lock", tmp_path / "deepspeed_adam/lock",
+                         tmp_path / "my_op/lock")
+    for p in (old, fresh, other):
+        p.parent.mkdir()
+        p.touch()
+    for p in (old, other):
+        os.utime(p, (time.time() - 1000, time.time() - 1000))
+    assert clear_stale_build_locks(str(tmp_path), max_age_s=900) == [str(old)]
+    assert not old.exists() and fresh.exists() and other.exists()
+    assert clear_stale_build_locks(str(tmp_path), max_age_s=900) == []
 
 
 def test_rank_order_partitions_each_epoch():

@@ -4,11 +4,53 @@ the frozen ``embed_tokens`` / ``lm_head`` carry no optimizer state.
 """
 from __future__ import annotations
 
+import logging
 import math
+import os
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("training.engine")
+
+STALE_BUILD_LOCK_S = 900.0
+"""Age (seconds) past which a DeepSpeed op's build lock is stale: the op builds in about 30 s."""
+
+
+def clear_stale_build_locks(root: str | None = None, max_age_s: float = STALE_BUILD_LOCK_S) -> list[str]:
+    """Remove the build locks of DeepSpeed's JIT-built ops older than ``max_age_s`` seconds.
+
+    torch's C++-extension loader takes ``<extensions root>/<op>/lock`` before it builds or even
+    loads an op, and waits while that file exists; a build killed mid-way (a worker of a killed job)
+    leaves it behind, and every later DeepSpeed CPU init (which loads ``deepspeed_shm_comm``) would
+    wait on it forever. The lock is created once per build and never touched, so its age is the
+    build's age.
+
+    Args:
+        root: the extensions root (default: ``$TORCH_EXTENSIONS_DIR``, else torch's default root
+            and its per-accelerator folders).
+
+    Returns:
+        The lock files removed (each also logged as a warning).
+    """
+    from torch.utils.cpp_extension import get_default_build_root
+
+    roots = [Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())]
+    if root is None and "TORCH_EXTENSIONS_DIR" not in os.environ:
+        roots += [p for p in roots[0].glob("py*") if p.is_dir()]
+    removed = []
+    for lock in (lk for r in roots for lk in r.glob("deepspeed*/lock")):
+        try:
+            if time.time() - lock.stat().st_mtime > max_age_s:
+                lock.unlink()
+                removed.append(str(lock))
+                log.warning("removed a stale DeepSpeed op build lock (%s, older than %.0f s): a build was "
+                            "killed mid-way; the op is rebuilt", lock, max_age_s)
+        except FileNotFoundError:  # another worker removed it, or its build just finished
+            continue
+    return removed
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float):
@@ -33,6 +75,7 @@ class DeepSpeedEngine:
                  accumulation: int, grad_clip: float):
         import deepspeed
 
+        clear_stale_build_locks()
         opt = torch.optim.AdamW(model.trainable_parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, warmup_ratio))
         config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulation,

@@ -178,6 +178,78 @@ def _metrics_row(out, engine, pos: Position, tokens: int, seconds: float, wait: 
             "data_wait_fraction": wait / max(seconds, 1e-9)}
 
 
+class _Data:
+    """A worker's data: the cache reader (None while features stream), the shard split, the
+    validation source and batches, and this rank's stream rows (online / hybrid)."""
+
+    def __init__(self, job: TrainJob, rank: int, world: int):
+        from cache_schema import CacheReader, Fingerprint
+        from training.data import split_shards
+        from training.stream import VALIDATION_DATASET, MemoryReader, rank_dataset_name
+        from training.validation import validation_batches
+
+        self.job, self.fingerprint = job, Fingerprint.from_json(job.fingerprint)
+        self.streamed = job.features in ("online", "hybrid")
+        self.reader = None if self.streamed else CacheReader(job.cache_url, self.fingerprint)
+        counts = job.shard_counts if self.streamed else {s: r.num_samples for s, r in self.reader.records.items()}
+        self.split = split_shards(counts, job.heldout_shards, job.validation_shards)
+        self.rows = None
+        if self.streamed:  # the same validation samples as a cache read, computed by the same prefill actors
+            self.val_source = (MemoryReader(list(_dataset(VALIDATION_DATASET).iter_rows()))
+                               if self.split.validation else None)
+            it = _dataset(rank_dataset_name(rank), required=False)
+            self.rows = iter(it.iter_rows()) if it is not None else None
+        else:
+            self.val_source = self.reader
+        self.val_batches = validation_batches(self.split, self.val_source, micro_batch=job.micro_batch_samples,
+                                              max_samples=job.validation_samples,
+                                              world=world) if self.split.validation else []
+
+    def streams(self, epoch: int) -> bool:
+        """Whether ``epoch`` reads the stream (online: every epoch; hybrid: epoch 0) or the cache."""
+        return self.job.features == "online" or (self.job.features == "hybrid" and epoch == 0)
+
+    def drain(self) -> None:
+        """Hybrid: read the rest of the epoch-0 stream (the shards' commits happen in the actors),
+        then wait for every rank, so that the cache is complete before anyone reads it.
+
+        Raises:
+            RuntimeError: some training shards are still not committed (their writes failed).
+        """
+        from cache_schema import CacheReader
+
+        if self.rows is not None:
+            for _ in self.rows:
+                pass
+            self.rows = None
+        _barrier()
+        self.reader = CacheReader(self.job.cache_url, self.fingerprint)
+        missing = sorted(set(self.split.train) - set(self.reader.records))
+        if missing:
+            raise RuntimeError(f"hybrid: epoch 0 ended but training shards {missing[:5]} of {self.job.cache_url} are "
+                               "not committed (their writes failed; see the prefill actors' log): rerun the train "
+                               "stage, which rewrites them")
+
+
+def _build(job: TrainJob, data: _Data, total: int, accumulation: int):
+    """The drafter (with its reduced vocabulary, counted over every training shard, the same on
+    every rank) and its engine."""
+    from training.engine import make_engine
+
+    d2t = None
+    if job.model.draft_vocab_size is not None:
+        from training.draft_vocab import build_d2t, count_supervised_tokens
+
+        counts = count_supervised_tokens(data.reader.token_arrays(data.split.train),
+                                         data.reader.fingerprint.target["vocab_size"])
+        d2t = build_d2t(counts, job.model.draft_vocab_size)
+    model = build_drafter_from(job.model, job.target_dir, d2t)
+    engine = make_engine(model, job.zero_stage, lr=job.lr, betas=job.betas, weight_decay=job.weight_decay,
+                         total_steps=total, warmup_ratio=job.warmup_ratio, bf16=job.bf16,
+                         micro_batch=job.micro_batch_samples, accumulation=accumulation, grad_clip=job.grad_clip)
+    return engine, d2t
+
+
 def train_worker(config: dict[str, Any]) -> None:
     """Train one drafter (``config["job"]``, a :class:`training.job.TrainJob`) on its cache; the
     Ray Train entry point.
@@ -199,52 +271,28 @@ def train_worker(config: dict[str, Any]) -> None:
     job: TrainJob = config["job"]
     if not job.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from cache_schema import CacheReader, Fingerprint
     from training.blocks import collate_samples
-    from training.checkpoint import upload_dir
-    from training.data import Prefetcher, rank_order, split_shards
-    from training.engine import make_engine
-    from training.stream import (VALIDATION_DATASET, ConsumedLog, MemoryReader, StreamFeed, max_ahead_bytes,
-                                 rank_dataset_name)
-    from training.validation import curve_summary, plot_curves, validate, validation_batches
+    from training.data import Prefetcher, rank_order
+    from training.stream import ConsumedLog, StreamFeed, max_ahead_bytes
+    from training.validation import validate
 
     configure_storage(job.storage)  # every S3 client of this worker process
     rank, world = _rank_world()
     torch.manual_seed(job.seed)
-    fingerprint = Fingerprint.from_json(job.fingerprint)
-    streamed = job.features in ("online", "hybrid")
-    reader = None if streamed else CacheReader(job.cache_url, fingerprint)
-    counts = job.shard_counts if streamed else {s: r.num_samples for s, r in reader.records.items()}
-    split = split_shards(counts, job.heldout_shards, job.validation_shards)
-    if streamed:  # the same validation samples as a cache read, computed by the same prefill actors
-        val_source = MemoryReader(list(_dataset(VALIDATION_DATASET).iter_rows())) if split.validation else None
-        it = _dataset(rank_dataset_name(rank), required=False)
-        rows = iter(it.iter_rows()) if it is not None else None
-    else:
-        val_source, rows = reader, None
-    val_batches = validation_batches(split, val_source, micro_batch=job.micro_batch_samples,
-                                     max_samples=job.validation_samples, world=world) if split.validation else []
+    data = _Data(job, rank, world)
+    split = data.split
     micro_per_epoch = plan_steps(split, job, world)
     accumulation = job.accumulation(world)
     total = total_steps(micro_per_epoch, job, world)
     if total < 1:
         raise ValueError(f"the cache's {sum(split.counts[s] for s in split.train)} training samples make no full "
                          f"optimizer step of {job.global_batch_samples} samples")
-    d2t = None
-    if job.model.draft_vocab_size is not None:  # the same on every rank: counted over all training shards
-        from training.draft_vocab import build_d2t, count_supervised_tokens
-
-        counts = count_supervised_tokens(reader.token_arrays(split.train), reader.fingerprint.target["vocab_size"])
-        d2t = build_d2t(counts, job.model.draft_vocab_size)
-    model = build_drafter_from(job.model, job.target_dir, d2t)
-    engine = make_engine(model, job.zero_stage, lr=job.lr, betas=job.betas, weight_decay=job.weight_decay,
-                         total_steps=total, warmup_ratio=job.warmup_ratio, bf16=job.bf16,
-                         micro_batch=job.micro_batch_samples, accumulation=accumulation, grad_clip=job.grad_clip)
+    engine, d2t = _build(job, data, total, accumulation)
     name, train_url, loss_cfg = job.drafter, job.output_url, job.loss
     pos, consumed_state = _resume(engine, train_url, world, job.zero_stage, name)
     consumed = ConsumedLog(consumed_state)
     state = {"drafter": name, "zero_stage": job.zero_stage, "total_steps": total, "seed": job.seed,
-             "model": model_record(model.config), "cache_fingerprint": job.fingerprint,
+             "model": model_record(engine.module.config), "cache_fingerprint": job.fingerprint,
              "reduced_vocabulary": d2t is not None, "features": job.features}
     log = MetricsLog(join(train_url, "metrics.jsonl"), pos.step) if rank == 0 else None
     tb = _tensorboard() if rank == 0 else None
@@ -252,31 +300,15 @@ def train_worker(config: dict[str, Any]) -> None:
     t_step, tokens, waited, last = time.perf_counter(), 0, 0.0, None
     timeline: list = []  # (produced_at, consumed_at, bytes) of every streamed row
 
-    def drain() -> None:
-        """Hybrid: read the rest of the epoch-0 stream (the shards' commits happen in the actors),
-        then wait for every rank, so that the cache is complete before anyone reads it."""
-        nonlocal rows, reader
-        if rows is not None:
-            for _ in rows:
-                pass
-            rows = None
-        _barrier()
-        reader = CacheReader(job.cache_url, fingerprint)
-        missing = sorted(set(split.train) - set(reader.records))
-        if missing:
-            raise RuntimeError(f"hybrid: epoch 0 ended but training shards {missing[:5]} of {job.cache_url} are "
-                               "not committed (their writes failed; see the prefill actors' log): rerun the train "
-                               "stage, which rewrites them")
-
     while pos.step < total and pos.epoch < job.epochs:
         order = rank_order(split, seed=job.seed, epoch=pos.epoch, rank=rank, world=world)
-        if job.features == "online" or (job.features == "hybrid" and pos.epoch == 0):
-            feed = StreamFeed(rows, order, job.micro_batch_samples, pos.micro, micro_per_epoch[pos.epoch], pos.epoch,
-                              timeline)
+        if data.streams(pos.epoch):
+            feed = StreamFeed(data.rows, order, job.micro_batch_samples, pos.micro, micro_per_epoch[pos.epoch],
+                              pos.epoch, timeline)
         else:
-            if reader is None:  # hybrid, resumed after epoch 0: the driver completed the cache
-                drain()
-            feed = Prefetcher(reader, order, job.micro_batch_samples, pos.micro, micro_per_epoch[pos.epoch])
+            if data.reader is None:  # hybrid, resumed after epoch 0: the driver completed the cache
+                data.drain()
+            feed = Prefetcher(data.reader, order, job.micro_batch_samples, pos.micro, micro_per_epoch[pos.epoch])
         waited = feed.wait_seconds
         for samples in feed:
             batch = collate_samples(samples)
@@ -295,8 +327,8 @@ def train_worker(config: dict[str, Any]) -> None:
                 time.sleep(job.step_delay_s)
             seconds = time.perf_counter() - t_step
             validated = {}
-            if val_batches and (pos.step % job.validate_every_steps == 0 or pos.step == total):
-                val = validate(engine.module, val_source, val_batches, loss_cfg, rank=rank, world=world)
+            if data.val_batches and (pos.step % job.validate_every_steps == 0 or pos.step == total):
+                val = validate(engine.module, data.val_source, data.val_batches, loss_cfg, rank=rank, world=world)
                 validated = {f"val_{k}": v for k, v in val.items()}
             if rank == 0:
                 last = {**_metrics_row(out, engine, pos, tokens * world, seconds, feed.wait_seconds - waited),
@@ -313,32 +345,42 @@ def train_worker(config: dict[str, Any]) -> None:
                 break
         else:
             if job.features == "hybrid" and pos.epoch == 0:
-                drain()
+                data.drain()
             pos.epoch, pos.micro = pos.epoch + 1, 0
             continue
         break
-    if job.features == "hybrid" and rows is not None:  # the budget ended inside epoch 0: finish the cache
-        drain()
-    stream = None
-    if streamed:
-        stream = {"rows": len(timeline), "bytes": int(sum(n for _, _, n in timeline)),
-                  "max_ahead_bytes": max_ahead_bytes(timeline), "bound_bytes": job.stream_bound_bytes}
+    if job.features == "hybrid" and data.rows is not None:  # the budget ended inside epoch 0: finish the cache
+        data.drain()
     if rank == 0:
+        stream = None
+        if data.streamed:
+            stream = {"rows": len(timeline), "bytes": int(sum(n for _, _, n in timeline)),
+                      "max_ahead_bytes": max_ahead_bytes(timeline), "bound_bytes": job.stream_bound_bytes}
         bar.close()
-        tb.close()
-        log.flush()
-        upload_dir(tb.log_dir, join(train_url, "tensorboard"))
-        curves = curve_summary(log.rows)
-        if curves is not None:
-            with tempfile.TemporaryDirectory() as tmp:
-                plot_curves(f"{tmp}/curves.png", log.rows, f"{name}: held-out learning curves")
-                fs, path = filesystem(join(train_url, "curves.png"))
-                fs.put_file(f"{tmp}/curves.png", path)
-        fs, path = filesystem(join(train_url, "result.json"))
-        fs.pipe_file(path, json.dumps({"steps": pos.step, "total_steps": total, "last": last,
-                                       "validation": curves, "world_size": world, "features": job.features,
-                                       "stream": stream, "consumed": consumed.state(pos.epoch, pos.micro),
-                                       "checkpoint": join(train_url, "checkpoints")}, default=str).encode())
+        _write_outputs(job, log, tb, {"steps": pos.step, "total_steps": total, "last": last, "world_size": world,
+                                      "features": job.features, "stream": stream,
+                                      "consumed": consumed.state(pos.epoch, pos.micro),
+                                      "checkpoint": join(train_url, "checkpoints")})
+
+
+def _write_outputs(job: TrainJob, log: "MetricsLog", tb, result: dict[str, Any]) -> None:
+    """Rank 0 at the end: the metrics log, TensorBoard events, ``curves.png`` (held-out learning
+    curves, when validated) and ``result.json`` (``result`` plus the curves' summary)."""
+    from training.checkpoint import upload_dir
+    from training.validation import curve_summary, plot_curves
+
+    train_url = job.output_url
+    tb.close()
+    log.flush()
+    upload_dir(tb.log_dir, join(train_url, "tensorboard"))
+    curves = curve_summary(log.rows)
+    if curves is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            plot_curves(f"{tmp}/curves.png", log.rows, f"{job.drafter}: held-out learning curves")
+            fs, path = filesystem(join(train_url, "curves.png"))
+            fs.put_file(f"{tmp}/curves.png", path)
+    fs, path = filesystem(join(train_url, "result.json"))
+    fs.pipe_file(path, json.dumps({**result, "validation": curves}, default=str).encode())
 
 
 class MetricsLog:

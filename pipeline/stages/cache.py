@@ -32,6 +32,7 @@ from pipeline.errors import PipelineError, ShardPlanMismatchError
 from pipeline.target.render import ignored_thinking_switch, render_chat, render_options
 from storage import filesystem, join
 from pipeline.paths import resolve_input
+from pipeline.stages.sharded import check_spans, item_span, pending, run_actor_pool, span_item
 
 log = logging.getLogger("pipeline.stages.cache")
 
@@ -251,45 +252,21 @@ def plan(cfg: RunConfig) -> list[tuple[int, ShardSpan]]:
     return plan_shards(input_files(cfg), cfg.cache.rows_per_shard, cfg.cache.max_rows)
 
 
-def check_plan(url: str, shards: list[tuple[int, ShardSpan]], committed: dict[int, dict[str, Any]]) -> None:
-    """Refuse to resume into shards committed under another plan.
-
-    A shard's rows are a function of the input files and ``rows_per_shard`` (``max_rows`` keeps whole
-    spans, so it only adds or drops shards); resume trusts the shard index only if the committed shard
-    holds exactly the rows this run plans for it (its commit record's ``source`` and ``rows``), else rows
-    would be silently skipped or cached twice.
-
-    Args:
-        url: the cache root (for the message). shards: ``(index, span)`` of this run's plan.
-        committed: shard index -> the ``extra`` dict of its commit record.
-
-    Raises:
-        ShardPlanMismatchError: naming the first differing shard and the settings to restore.
-    """
-    for i, span in shards:
-        extra = committed.get(i)
-        if extra is None or "rows" not in extra:
-            continue
-        if (extra.get("source"), list(extra["rows"])) != (span.source, [span.row_start, span.row_end]):
-            raise ShardPlanMismatchError(
-                f"{url}: committed shard {i} holds rows {extra['rows'][0]}-{extra['rows'][1]} of input file "
-                f"{extra.get('source')}, but this run plans rows {span.row_start}-{span.row_end} of file "
-                f"{span.source} for it: data.train_files or cache.rows_per_shard changed since the cache "
-                "was written; restore them, or write to a new run_dir")
-
-
 def resume_plan(cfg: RunConfig, root) -> tuple[list[tuple[int, ShardSpan]], set[int], list[tuple[int, ShardSpan]]]:
     """(planned shards, committed shard indices, shards still to write) of a run over ``root`` (a
     CacheRoot): one listing of the commit records and one batched read of them.
 
     Raises:
-        ShardPlanMismatchError: see :func:`check_plan`.
+        ShardPlanMismatchError: a committed shard holds other rows than this run plans for it
+            (:func:`pipeline.stages.sharded.check_spans`).
     """
     shards = plan(cfg)
     records = root.committed_records()
-    check_plan(root.url, shards, {i: r.extra for i, r in records.items()})
-    done = set(records)
-    return shards, done, [(i, s) for i, s in shards if i not in done]
+    recorded = {i: (r.extra.get("source"), *r.extra["rows"]) for i, r in records.items() if "rows" in r.extra}
+    check_spans(root.url, shards, recorded, key="source", error=ShardPlanMismatchError,
+                fix="data.train_files or cache.rows_per_shard changed since the cache was written; restore them, "
+                    "or write to a new run_dir")
+    return shards, set(records), pending(shards, records)
 
 
 def storage_config(cfg: RunConfig) -> StorageConfig:
@@ -311,7 +288,6 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
             other shard was written; one line naming the first one's URL and its last S3 error.
     """
     import ray
-    from tqdm import tqdm
     from transformers import AutoConfig
 
     from pipeline.cluster import init_ray
@@ -325,27 +301,26 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
     root_url = cache_url(cfg)
     storage = storage_config(cfg)
     root = open_cache(root_url, fp, create=True, storage=storage)
-    shards, done, pending = resume_plan(cfg, root)
-    log.info("cache: %d shards planned, %d already committed, %d to write", len(shards), len(done), len(pending))
+    shards, done, todo = resume_plan(cfg, root)
+    log.info("cache: %d shards planned, %d already committed, %d to write", len(shards), len(done), len(todo))
     run = {"shards_planned": len(shards), "shards_already_committed": len(done & {i for i, _ in shards}),
            "shards_written": 0, "estimate_bytes": 0, "prefill_tokens_per_s": None,
            "steady_tokens_per_s": None}
-    if pending:
+    if todo:
         init_ray(cfg.ray)
-        items = [{"shard": i, **asdict(s)} for i, s in pending]
+        items = [span_item(i, s) for i, s in todo]
         rendered = ray.data.from_items(items).map(
-            lambda it: render_shard(ShardSpan(**{k: it[k] for k in ShardSpan.__dataclass_fields__}),
-                                    it["shard"], cfg, local_dir)).materialize()
+            lambda it: render_shard(item_span(it), it["shard"], cfg, local_dir)).materialize()
         counts = rendered.select_columns(["num_samples", "num_tokens", "num_supervised", "num_hidden_rows"]).take_all()
         tokens = sum(c["num_tokens"] for c in counts)
         est = estimate_cache_bytes(tokens, hidden_size=fp.hidden_size, num_target_layers=len(fp.target_layer_ids),
                                    feature_dtype=fp.feature_dtype, num_samples=sum(c["num_samples"] for c in counts),
                                    supervised_fraction=sum(c["num_hidden_rows"] for c in counts) / max(tokens, 1))
-        total = est.total_bytes + len(pending) * shard_overhead_bytes(
+        total = est.total_bytes + len(todo) * shard_overhead_bytes(
             hidden_size=fp.hidden_size, target_layer_ids=fp.target_layer_ids, feature_dtype=fp.feature_dtype,
             storage=storage)
         run["estimate_bytes"] = total
-        print(f"cache: {len(pending)} shards, {tokens:,} tokens to prefill; estimated "
+        print(f"cache: {len(todo)} shards, {tokens:,} tokens to prefill; estimated "
               f"{total / 2**20:,.1f} MiB at {est.bytes_per_token:,.0f} bytes/token of arrays", flush=True)
         budget = cfg.cache.storage_budget_bytes
         if budget is not None and total > budget:
@@ -353,27 +328,14 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
                 f"the cache needs about {total:,} bytes, above cache.storage_budget_bytes="
                 f"{budget:,}; raise the budget, use cache.feature_dtype=fp8_e4m3, or cache fewer rows "
                 "(cache.max_rows)")
-        writers = rendered.map(ShardPrefillWriter, fn_constructor_args=(cfg, root_url, fp, storage),
-                               compute=ray.data.ActorPoolStrategy(size=cfg.cache.num_workers),
-                               num_gpus=cfg.cache.gpus_per_worker or None, num_cpus=1)
-        t0, n_tok, busy, written, failed = time.perf_counter(), 0, 0.0, 0, []
-        with tqdm(total=tokens, unit="tok", desc="cache", unit_scale=True) as bar:
-            for meta in writers.iter_rows():
-                if meta["error"]:
-                    failed.append(meta)
-                    continue
-                run["shards_written"] += 1
-                n_tok += meta["num_tokens"]
-                busy += meta["busy_seconds"]
-                bar.update(meta["num_tokens"])
-                written += meta["bytes"]
-                bar.set_postfix(shards=run["shards_written"], MiB=f"{written / 2**20:.1f}")
-        if failed:
-            failed.sort(key=lambda m: m["shard"])
-            raise StorageUnavailableError(
-                f"{len(failed)} of {len(pending)} shards were not written ({run['shards_written']} were, and are "
-                f"committed): {failed[0]['error']}")
-        run["prefill_tokens_per_s"] = round(n_tok / max(time.perf_counter() - t0, 1e-9), 1)
+        pool = run_actor_pool(rendered, ShardPrefillWriter, (cfg, root_url, fp, storage),
+                              workers=cfg.cache.num_workers, gpus=cfg.cache.gpus_per_worker or None, desc="cache",
+                              unit="tok", total=tokens, advance=lambda m: m["num_tokens"],
+                              postfix=lambda ms: {"shards": len(ms),
+                                                  "MiB": f"{sum(m['bytes'] for m in ms) / 2**20:.1f}"})
+        run["shards_written"] = len(pool.metas)
+        n_tok, busy = sum(m["num_tokens"] for m in pool.metas), sum(m["busy_seconds"] for m in pool.metas)
+        run["prefill_tokens_per_s"] = round(n_tok / max(pool.seconds, 1e-9), 1)
         run["steady_tokens_per_s"] = round(n_tok * cfg.cache.num_workers / max(busy, 1e-9), 1)
     totals = cache_totals(root_url)
     skipped = ", ".join(f"{k} {v}" for k, v in totals["skipped_rows"].items()) or "none"

@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from cache_schema.errors import storage_call
+from cache_schema.errors import StorageUnavailableError, storage_call
 from pipeline.target.chats import REASONS, BadRow, Chat, RowError, ShardSpan, iter_chats, plan_shards
 from pipeline.config import RunConfig
 from pipeline.target.engines import GenerationEngine, SamplingSpec
@@ -43,6 +43,7 @@ from pipeline.errors import PipelineError
 from pipeline.target.render import apply_render_policy, generation_prompt, render_options, render_prompt
 from storage import create_exclusive, filesystem, indexed_name, join
 from pipeline.paths import resolve_input
+from pipeline.stages.sharded import check_spans, item_span, pending, run_actor_pool, span_item
 
 log = logging.getLogger("pipeline.stages.generate")
 
@@ -111,8 +112,6 @@ def plan(cfg: RunConfig) -> list[tuple[int, ShardSpan]]:
     files = [resolve_input(f) for f in cfg.data.train_files]
     if not files:
         raise PipelineError("data.train_files is empty: list the prompt/chat files (JSONL or Parquet) to generate from")
-    if cfg.generate.rows_per_shard < 1:
-        raise PipelineError(f"generate.rows_per_shard must be >= 1 (got {cfg.generate.rows_per_shard})")
     return plan_shards(files, cfg.generate.rows_per_shard, cfg.generate.max_rows)
 
 
@@ -349,17 +348,14 @@ def check_records(out_url: str, records: dict[int, dict[str, Any]], shards: list
     Raises:
         GenerateSettingsMismatchError: naming the differing fields and the fix.
     """
-    spans = dict(shards)
+    fix = "use a new run_dir, or delete that folder to regenerate everything"
     for i, rec in sorted(records.items()):
-        diffs = _diff(rec["settings"], want, "generate")
-        if i in spans:
-            s = spans[i]
-            diffs += _diff({"url": rec["url"], "rows": [rec["row_start"], rec["row_end"]]},
-                           {"url": s.url, "rows": [s.row_start, s.row_end]}, f"shard {i}")
-        if diffs:
+        if diffs := _diff(rec["settings"], want, "generate"):
             raise GenerateSettingsMismatchError(
-                f"{out_url} holds shards generated with other settings or inputs ({'; '.join(diffs[:4])}): "
-                "use a new run_dir, or delete that folder to regenerate everything")
+                f"{out_url} holds shards generated with other settings ({'; '.join(diffs[:4])}): {fix}")
+    check_spans(out_url, shards, {i: (r["url"], r["row_start"], r["row_end"]) for i, r in records.items()},
+                key="url", error=GenerateSettingsMismatchError,
+                fix=f"data.train_files or generate.rows_per_shard changed since it was generated; restore them, or {fix}")
 
 
 def generated_files(cfg: RunConfig) -> list[str]:
@@ -407,14 +403,17 @@ class ShardGenerator:
         self.writer_id = f"{socket.gethostname()}:{os.getpid()}"
 
     def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
-        shard, span = int(item["shard"]), ShardSpan(**{k: item[k] for k in ShardSpan.__dataclass_fields__})
+        shard, span = int(item["shard"]), item_span(item)
+        meta = {"shard": shard, "rows": span.row_end - span.row_start, "new_tokens": 0, "written": False, "error": ""}
         fs, root = filesystem(self.out_url)
         if fs.exists(f"{root}/commits/{_name(shard)}.json"):  # a retried task: the shard is done
-            return {"shard": shard, "rows": span.row_end - span.row_start, "new_tokens": 0, "written": False}
+            return meta
         result = generate_shard(span, self.engine, self.cfg)
-        write_shard(self.out_url, shard, span, result, self.settings, self.writer_id)
-        return {"shard": shard, "rows": span.row_end - span.row_start, "new_tokens": result.stats["new_tokens"],
-                "written": True}
+        try:
+            write_shard(self.out_url, shard, span, result, self.settings, self.writer_id)
+        except StorageUnavailableError as exc:  # reported by the driver as one line, not a worker traceback
+            return {**meta, "error": str(exc)}
+        return {**meta, "new_tokens": result.stats["new_tokens"], "written": True}
 
 
 def _pool(n_pending: int) -> tuple[int, float | None]:
@@ -454,41 +453,37 @@ def run_generate(cfg: RunConfig) -> dict[str, Any]:
 
     Raises:
         GenerateSettingsMismatchError: committed shards were made with other settings or inputs.
+        StorageUnavailableError: shards whose storage retries ran out (``storage:``), after every
+            other shard was written; one line naming the first one's URL and its last S3 error.
         TargetNotFoundError, BadInputFileError, PipelineError: see :func:`plan`, :func:`settings`.
     """
     import ray
-    from tqdm import tqdm
 
     from pipeline.cluster import init_ray
     from pipeline.target.loader import resolve_target_path
 
-    SamplingSpec.from_config(cfg.generate)  # validate before any start-up
     out = generate_url(cfg)
     want = settings(cfg, resolve_target_path(cfg.target.path))
     shards = plan(cfg)
     records = committed_records(out)
     check_records(out, records, shards, want)
-    pending = [(i, s) for i, s in shards if i not in records]
+    todo = pending(shards, records)
     log.info("generate: %d shards planned, %d already committed, %d to write",
-             len(shards), len(shards) - len(pending), len(pending))
-    run = {"shards_planned": len(shards), "shards_already_committed": len(shards) - len(pending),
+             len(shards), len(shards) - len(todo), len(todo))
+    run = {"shards_planned": len(shards), "shards_already_committed": len(shards) - len(todo),
            "shards_written": 0, "tokens_per_s": None, "engine": cfg.generate.engine.value,
            "sampling": sampling_record(cfg)}
-    if pending:
+    if todo:
         init_ray(cfg.ray)
-        workers, gpus = _pool(len(pending))
-        items = [{"shard": i, **asdict(s)} for i, s in pending]
-        ds = ray.data.from_items(items, override_num_blocks=len(items)).map(
-            ShardGenerator, fn_constructor_args=(cfg, out, want, gpus is not None),
-            compute=ray.data.ActorPoolStrategy(size=workers), num_gpus=gpus, num_cpus=1)
-        t0, new_tokens = time.perf_counter(), 0
-        with tqdm(total=sum(s.row_end - s.row_start for _, s in pending), unit="row", desc="generate") as bar:
-            for meta in ds.iter_rows():
-                run["shards_written"] += int(meta["written"])
-                new_tokens += meta["new_tokens"]
-                bar.update(meta["rows"])
-                bar.set_postfix(shards=run["shards_written"], tokens=new_tokens)
-        run["tokens_per_s"] = round(new_tokens / max(time.perf_counter() - t0, 1e-9), 1)
+        workers, gpus = _pool(len(todo))
+        pool = run_actor_pool(ray.data.from_items([span_item(i, s) for i, s in todo], override_num_blocks=len(todo)),
+                              ShardGenerator, (cfg, out, want, gpus is not None), workers=workers, gpus=gpus,
+                              desc="generate", unit="row", total=sum(s.row_end - s.row_start for _, s in todo),
+                              advance=lambda m: m["rows"],
+                              postfix=lambda ms: {"shards": sum(m["written"] for m in ms),
+                                                  "tokens": sum(m["new_tokens"] for m in ms)})
+        run["shards_written"] = sum(m["written"] for m in pool.metas)
+        run["tokens_per_s"] = round(sum(m["new_tokens"] for m in pool.metas) / max(pool.seconds, 1e-9), 1)
         records = committed_records(out)
     done = [records[i] for i, _ in shards if i in records]
     return {**run, **totals(done)}

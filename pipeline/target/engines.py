@@ -44,17 +44,8 @@ class SamplingSpec:
 
     @classmethod
     def from_config(cls, cfg: GenerateConfig) -> "SamplingSpec":
-        """The sampling part of ``generate.*``.
-
-        Raises:
-            PipelineError: a value out of range (the message names the key).
-        """
-        if cfg.temperature < 0:
-            raise PipelineError(f"generate.temperature must be >= 0 (got {cfg.temperature}); 0 = greedy")
-        if not 0 < cfg.top_p <= 1:
-            raise PipelineError(f"generate.top_p must be in (0, 1] (got {cfg.top_p}); 1 disables it")
-        if cfg.max_new_tokens < 1:
-            raise PipelineError(f"generate.max_new_tokens must be >= 1 (got {cfg.max_new_tokens})")
+        """The sampling part of ``generate.*`` (its values are validated at config load:
+        :func:`pipeline.config.validate`)."""
         return cls(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k), int(cfg.max_new_tokens))
 
 

@@ -24,9 +24,10 @@ def check_layer_ids(ids: Sequence[int], num_layers: int) -> None:
     if not ids or any(b <= a for a, b in zip(ids, ids[1:])):
         raise ConfigError(f"target.target_layer_ids: must be strictly ascending (got {ids})")
     if ids[0] < -1 or ids[-1] > num_layers - 2:
-        raise ConfigError(f"target.target_layer_ids: ids must lie in [-1, {num_layers - 2}] for a "
-                          f"{num_layers}-layer target (got {ids}); the final layer {num_layers - 1} "
-                          "is refused (HF returns it after the final norm)")
+        example = ",".join(str(i) for i in range(max(0, num_layers - 4), num_layers - 1))
+        raise ConfigError(f"target.target_layer_ids: {ids} must lie in [-1, {num_layers - 2}] for this "
+                          f"{num_layers}-layer target: the final layer {num_layers - 1} is refused (HF returns "
+                          f"it after the final norm), e.g. target.target_layer_ids=[{example}]")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,109 @@
+"""The skeleton the sharded stages (generate, cache) share.
+
+Both run: plan the spans (a shard = a fixed row range of one input file, numbered across files) ->
+read the commit records -> refuse records whose rows differ from the plan (:func:`check_spans`) ->
+the shards still to write (:func:`pending`) -> an actor pool that owns whole shards, each call
+writing and committing one shard and returning metadata only (:func:`run_actor_pool`: progress bar,
+per-shard storage failures gathered into one error) -> totals summed over the commit records.
+What differs (the work of a shard, its record, the settings a record must match) stays in the stage.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from cache_schema.errors import StorageUnavailableError
+from pipeline.errors import PipelineError
+from pipeline.target.chats import ShardSpan
+
+Plan = Sequence[tuple[int, ShardSpan]]
+
+
+def pending(shards: Plan, committed: Mapping[int, Any]) -> list[tuple[int, ShardSpan]]:
+    """The planned shards that have no commit record, in plan order."""
+    return [(i, s) for i, s in shards if i not in committed]
+
+
+def check_spans(url: str, shards: Plan, recorded: Mapping[int, tuple[Any, int, int]], *, key: str,
+                fix: str, error: type[PipelineError]) -> None:
+    """Refuse to resume into shards committed under another plan.
+
+    A shard's rows are a function of the input files and the stage's ``rows_per_shard`` (``max_rows``
+    keeps whole spans, so it only adds or drops shards); a committed shard is reused only if it holds
+    exactly the rows this run plans for it, else rows would be silently skipped or written twice.
+
+    Args:
+        url: the stage's output root (for the message). shards: ``(index, span)`` of this run's plan.
+        recorded: shard index -> ``(input file, row_start, row_end)`` from its commit record, the file
+            named as ``key`` says (``"source"``: its index in the input list; ``"url"``: its URL).
+        fix: what the user should do, appended to the message. error: the exception class raised.
+
+    Raises:
+        error: naming the first differing shard, both row ranges and ``fix``.
+    """
+    for i, span in shards:
+        if i not in recorded:
+            continue
+        file, a, b = recorded[i]
+        planned = getattr(span, key)
+        if (file, a, b) != (planned, span.row_start, span.row_end):
+            raise error(f"{url}: committed shard {i} holds rows {a}-{b} of input file {file}, but this run plans "
+                        f"rows {span.row_start}-{span.row_end} of file {planned} for it: {fix}")
+
+
+def span_item(shard: int, span: ShardSpan) -> dict[str, Any]:
+    """One row of the actor pool's input: the shard index and its span's fields."""
+    return {"shard": shard, **asdict(span)}
+
+
+def item_span(item: Mapping[str, Any]) -> ShardSpan:
+    """The span of a :func:`span_item` row."""
+    return ShardSpan(**{k: item[k] for k in ShardSpan.__dataclass_fields__})
+
+
+@dataclass
+class PoolRun:
+    """What the driver saw of an actor pool: every shard's metadata and the wall seconds."""
+
+    metas: list[dict[str, Any]]
+    seconds: float
+
+
+def run_actor_pool(ds, actor: type, ctor_args: tuple, *, workers: int, gpus: float | None, desc: str,
+                   unit: str, total: int, advance: Callable[[dict[str, Any]], int],
+                   postfix: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> PoolRun:
+    """Map ``actor`` over ``ds`` (a Ray Dataset, one row per shard) with a pool of ``workers`` actors
+    of one CPU (and ``gpus`` GPUs) each; show progress; gather the shards that failed on storage.
+
+    Each call returns one metadata dict per shard with an ``"error"`` key: empty when the shard was
+    committed (or already was), else the one-line :class:`StorageUnavailableError` message of a write
+    whose storage retries ran out. Every other shard is still written before the failures are raised.
+
+    Args:
+        advance: the progress of one shard's metadata, in ``unit``. postfix: the bar's postfix from
+            the metadata so far.
+
+    Raises:
+        StorageUnavailableError: some shards failed; the message counts them and quotes the first.
+    """
+    import ray
+    from tqdm import tqdm
+
+    mapped = ds.map(actor, fn_constructor_args=ctor_args, compute=ray.data.ActorPoolStrategy(size=workers),
+                    num_gpus=gpus, num_cpus=1)
+    t0, metas, failed = time.perf_counter(), [], []
+    with tqdm(total=total, unit=unit, desc=desc, unit_scale=True) as bar:
+        for meta in mapped.iter_rows():
+            if meta["error"]:
+                failed.append(meta)
+                continue
+            metas.append(meta)
+            bar.update(advance(meta))
+            bar.set_postfix(**postfix(metas))
+    if failed:
+        failed.sort(key=lambda m: m["shard"])
+        raise StorageUnavailableError(
+            f"{len(failed)} of {len(metas) + len(failed)} shards were not written ({len(metas)} were, and are "
+            f"committed): {failed[0]['error']}")
+    return PoolRun(metas, time.perf_counter() - t0)
