@@ -166,8 +166,11 @@ class CacheRoot:
         object instead of returning zarr's fill value."""
         url = self.fs.unstrip_protocol(self._path(shard_group_key(shard_index)))
         if read_only:
-            return FsspecStore.from_url(url, storage_options=self._fs_options, read_only=True,
-                                        allowed_exceptions=())
+            # s3fs reads a whole object (zarr.json, a small array) with a HEAD first, to split objects
+            # above its block size (50 MiB) into concurrent ranged GETs, unless max_concurrency is 1;
+            # zarr reads large arrays by ranges anyway, so the HEAD only doubles the requests
+            options = {**self._fs_options, "max_concurrency": 1} if get_protocol(url) == "s3" else self._fs_options
+            return FsspecStore.from_url(url, storage_options=options, read_only=True, allowed_exceptions=())
         return FsspecStore.from_url(url, storage_options=self._fs_options)
 
     def write_shard(self, shard_index: int, samples: list[CacheSample], *, writer_id: str,

@@ -152,13 +152,14 @@ def scan_array(array, offsets: np.ndarray | None, encoding: str | None) -> tuple
     return digest.hexdigest(), bad, rows * row_bytes
 
 
-def content_problems(shard: int, group, record: ShardRecord, ids: list[str],
+def content_problems(shard: int, members: dict[str, Any], record: ShardRecord, ids: list[str],
                      offsets: np.ndarray, sup_offsets: np.ndarray) -> tuple[list[dict[str, Any]], int]:
-    """Checksums of every recorded array and finiteness per sample; returns (problems, bytes read)."""
+    """Checksums of every recorded array (``members``: the shard group's arrays by name) and
+    finiteness per sample; returns (problems, bytes read)."""
     out, nbytes = [], 0
     row_map = {FEATURES: offsets, FEATURE_SCALE: offsets, LAST_HIDDEN: sup_offsets}
     for name, expected in sorted(record.checksums.items()):
-        array = group[name]
+        array = members[name]
         sha, bad, n = scan_array(array, row_map.get(name), array.attrs.get(ATTR_ENCODING))
         nbytes += n
         if sha != expected:
@@ -193,13 +194,14 @@ def verify_shard(root: CacheRoot, shard_index: int) -> dict[str, Any]:
     try:
         group = open_group(root, shard_index)
         attrs = group.attrs.asdict()
+        members = dict(group.arrays())  # each array's metadata read once (one request each on S3)
         ids = list(attrs.get(ATTR_SAMPLE_IDS, []))
         result["ids"] = ids
-        source, row = group[SOURCE][:], group[ROW][:]
+        source, row = members[SOURCE][:], members[ROW][:]
         if len(source) == len(row) == len(ids):
             result["provenance"] = [[int(s), int(r)] for s, r in zip(source, row)]
         if not damaged:
-            problems += _read_checks(shard_index, root.fingerprint, record, group, attrs, ids, result)
+            problems += _read_checks(shard_index, root.fingerprint, record, members, attrs, ids, result)
     except READ_ERRORS as exc:
         if not damaged:  # a damaged object already explains a failed read
             problems.append(problem(shard_index, "unreadable", f"{type(exc).__name__}: {exc}"))
@@ -207,12 +209,11 @@ def verify_shard(root: CacheRoot, shard_index: int) -> dict[str, Any]:
     return result
 
 
-def _read_checks(shard: int, fp: Fingerprint, record: ShardRecord, group, attrs: dict[str, Any],
+def _read_checks(shard: int, fp: Fingerprint, record: ShardRecord, members: dict[str, Any], attrs: dict[str, Any],
                  ids: list[str], result: dict[str, Any]) -> list[dict[str, Any]]:
     expected = array_specs(record.num_samples, record.num_tokens, record.num_hidden_rows,
                            feature_width=fp.feature_width, hidden_size=fp.hidden_size,
                            feature_dtype=fp.feature_dtype)
-    members = dict(group.arrays())
     found = {name: (members[name].dtype, tuple(members[name].shape)) if name in members else None
              for name in expected}
     out = structure_problems(shard, expected, found, attrs, record.num_samples)
@@ -222,11 +223,11 @@ def _read_checks(shard: int, fp: Fingerprint, record: ShardRecord, group, attrs:
         out.append(problem(shard, "shape", f"features encoding is {encoding!r}, expected {want!r}"))
     if out:
         return out
-    offsets, sup_offsets = group[OFFSETS][:], group[SUP_OFFSETS][:]
-    out = offset_problems(shard, offsets, sup_offsets, group[LOSS_MASK][:], record, ids)
+    offsets, sup_offsets = members[OFFSETS][:], members[SUP_OFFSETS][:]
+    out = offset_problems(shard, offsets, sup_offsets, members[LOSS_MASK][:], record, ids)
     if out:
         return out
-    found_problems, result["bytes"] = content_problems(shard, group, record, ids, offsets, sup_offsets)
+    found_problems, result["bytes"] = content_problems(shard, members, record, ids, offsets, sup_offsets)
     return found_problems
 
 
