@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 log = logging.getLogger("training.engine")
 
-STALE_BUILD_LOCK_S = 900.0
+STALE_BUILD_LOCK_S = 600.0
 """Age (seconds) past which a DeepSpeed op's build lock is stale: the op builds in about 30 s."""
 
 
