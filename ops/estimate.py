@@ -22,12 +22,12 @@ from ops.report import human_bytes, key_values, table
 ROOT_OBJECTS = 2  # fingerprint.json, and summary.json that the cache stage writes into the root
 
 # Storage requests besides the data itself, measured on S3 (moto behind a counting proxy) by
-# ``bench/bench_scale.py`` (README "Object storage: retries, faults and scale"), 20 shards of 1 and
-# of 8 four-token samples: a write_shard made 18 PUTs (its objects) + 35 HEAD + 21 LIST + 8 GET; a
-# training epoch 1 LIST + 17 HEAD + 17 GET per shard of one sample, 4 HEAD + 4 GET per further sample.
+# ``bench/bench_scale.py --cost`` (README "Object storage: retries, faults and scale"), 20 shards of 1
+# and of 8 four-token samples: a write_shard made 18 PUTs (its objects) + 35 HEAD + 21 LIST + 8 GET; a
+# training epoch 1 LIST + 17 GET per shard of one sample, 4 GET per further sample (read-only stores
+# read whole objects without s3fs's HEAD first: ``cache_schema.writer.CacheRoot.shard_store``).
 WRITE_EXTRA_PER_SHARD = 64  # non-PUT requests of one CacheRoot.write_shard (zarr's existence checks, listings)
-OPEN_PER_SHARD = 27  # requests to open one shard for reading (object listing, zarr metadata, small arrays)
-INDEX_PER_ARRAY_READ = 1  # the HEAD (object size, to find the zarr shard index) before each slice read
+OPEN_PER_SHARD = 14  # requests to open one shard for reading (object listing, zarr metadata, small arrays)
 LIST_PAGE = 1000  # keys per S3 listing page
 PUT_PRICE_PER_1000 = 0.005  # USD, S3 Standard list price (us-east-1, 2026); GET/LIST below
 GET_PRICE_PER_1000 = 0.0004
@@ -36,7 +36,7 @@ GET_PRICE_PER_1000 = 0.0004
 def sample_read_requests(tokens_per_sample: float, hidden_rows_per_sample: float, *, feature_width: int,
                          hidden_size: int, feature_dtype: str, chunk_bytes: int) -> float:
     """Expected requests to read one sample for training: per token array read (input_ids,
-    loss_mask, features [+ feature_scale], last_hidden) one HEAD plus a GET per inner chunk its rows
+    loss_mask, features [+ feature_scale], last_hidden) a GET per inner chunk its rows
     touch (a span of b bytes over chunks of c bytes touches 1 + b/c chunks on average). Calibrated
     on one-chunk samples (``bench/bench_scale.py``); a sample spanning chunks may cost one more GET
     per array (the zarr shard index)."""
@@ -45,7 +45,7 @@ def sample_read_requests(tokens_per_sample: float, hidden_rows_per_sample: float
              2 * hidden_size * hidden_rows_per_sample]
     if feature_dtype == "fp8_e4m3":
         spans.append(4 * tokens_per_sample)
-    return sum(INDEX_PER_ARRAY_READ + 1 + b / chunk_bytes for b in spans)
+    return sum(1 + b / chunk_bytes for b in spans)
 
 
 def request_costs(*, shards: int, samples: int, tokens: int, hidden_rows: int, objects: int, feature_width: int,

@@ -370,17 +370,17 @@ def test_corrupt_shard_metadata_is_a_damaged_shard_not_a_traceback(url, capsys):
 
 
 def test_request_cost_model_counts_objects_index_and_chunk_reads():
-    from ops.estimate import (INDEX_PER_ARRAY_READ, LIST_PAGE, OPEN_PER_SHARD, WRITE_EXTRA_PER_SHARD, request_costs,
+    from ops.estimate import (LIST_PAGE, OPEN_PER_SHARD, WRITE_EXTRA_PER_SHARD, request_costs,
                               sample_read_requests)
 
     # a 2 MiB-chunk bf16 sample of 4096 tokens, W = 5 * 2560: features span 4096 * 25,600 bytes = 50 chunks
     per = sample_read_requests(4096, 4096, feature_width=5 * 2560, hidden_size=2560, feature_dtype="bf16",
                                chunk_bytes=2**21)
     spans = [4 * 4096, 4096, 4096 * 25600, 4096 * 5120]
-    assert per == pytest.approx(sum(INDEX_PER_ARRAY_READ + 1 + b / 2**21 for b in spans))
-    assert 4 * (INDEX_PER_ARRAY_READ + 1) + 60 < per < 4 * (INDEX_PER_ARRAY_READ + 1) + 61
+    assert per == pytest.approx(sum(1 + b / 2**21 for b in spans))
+    assert 4 + 60 < per < 4 + 61
     fp8 = sample_read_requests(10, 10, feature_width=8, hidden_size=8, feature_dtype="fp8_e4m3", chunk_bytes=2**21)
-    assert fp8 == pytest.approx(5 * (INDEX_PER_ARRAY_READ + 1), rel=1e-3)  # one more array: feature_scale
+    assert fp8 == pytest.approx(5, rel=1e-3)  # one more array: feature_scale
     c = request_costs(shards=2500, samples=10000, tokens=40000, hidden_rows=30000, objects=50000, feature_width=8,
                       hidden_size=8, feature_dtype="bf16", chunk_bytes=2**21, epochs=3, drafters=2, workers=4)
     epoch = 2500 * OPEN_PER_SHARD + 10000 * c["get_per_sample"]
