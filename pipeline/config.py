@@ -264,8 +264,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.data.min_loss_tokens >= 1, "data.min_loss_tokens",
            f"must be >= 1 (got {cfg.data.min_loss_tokens})")
     _check(cfg.cache.rows_per_shard >= 1, "cache.rows_per_shard", "must be >= 1")
-    _check(cfg.generate.rows_per_shard >= 1, "generate.rows_per_shard", "must be >= 1")
     gen = cfg.generate
+    _check(gen.rows_per_shard >= 1, "generate.rows_per_shard", "must be >= 1")
     _check(gen.temperature >= 0, "generate.temperature", f"must be >= 0, 0 = greedy (got {gen.temperature})")
     _check(0 < gen.top_p <= 1, "generate.top_p", f"must be in (0, 1], 1 disables it (got {gen.top_p})")
     _check(gen.max_new_tokens >= 1, "generate.max_new_tokens", f"must be >= 1 (got {gen.max_new_tokens})")

@@ -232,8 +232,14 @@ class _Data:
 
 
 def _build(job: TrainJob, data: _Data, total: int, accumulation: int):
-    """The drafter (with its reduced vocabulary, counted over every training shard, the same on
-    every rank) and its engine."""
+    """The drafter and its engine for ``total`` optimizer steps of ``accumulation`` micro-steps.
+
+    Returns:
+        (engine, d2t): the engine (:func:`training.engine.make_engine`; the drafter is
+        ``engine.module``) and the reduced vocabulary's draft-to-target offsets (int64
+        [draft_vocab_size], ``arange + d2t`` = target ids: :func:`training.draft_vocab.build_d2t`,
+        counted over every training shard, the same on every rank), or None for the full vocabulary.
+    """
     from training.engine import make_engine
 
     d2t = None

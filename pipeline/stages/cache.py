@@ -15,7 +15,6 @@ import logging
 import os
 import socket
 import time
-from dataclasses import asdict
 from functools import lru_cache
 from typing import Any
 
@@ -330,11 +329,10 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
                 "(cache.max_rows)")
         pool = run_actor_pool(rendered, ShardPrefillWriter, (cfg, root_url, fp, storage),
                               workers=cfg.cache.num_workers, gpus=cfg.cache.gpus_per_worker or None, desc="cache",
-                              unit="tok", total=tokens, advance=lambda m: m["num_tokens"],
-                              postfix=lambda ms: {"shards": len(ms),
-                                                  "MiB": f"{sum(m['bytes'] for m in ms) / 2**20:.1f}"})
+                              unit="tok", total=tokens, advance="num_tokens",
+                              postfix=lambda t: {"MiB": f"{t.get('bytes', 0) / 2**20:.1f}"})
         run["shards_written"] = len(pool.metas)
-        n_tok, busy = sum(m["num_tokens"] for m in pool.metas), sum(m["busy_seconds"] for m in pool.metas)
+        n_tok, busy = pool.totals.get("num_tokens", 0), pool.totals.get("busy_seconds", 0.0)
         run["prefill_tokens_per_s"] = round(n_tok / max(pool.seconds, 1e-9), 1)
         run["steady_tokens_per_s"] = round(n_tok * cfg.cache.num_workers / max(busy, 1e-9), 1)
     totals = cache_totals(root_url)

@@ -479,11 +479,10 @@ def run_generate(cfg: RunConfig) -> dict[str, Any]:
         pool = run_actor_pool(ray.data.from_items([span_item(i, s) for i, s in todo], override_num_blocks=len(todo)),
                               ShardGenerator, (cfg, out, want, gpus is not None), workers=workers, gpus=gpus,
                               desc="generate", unit="row", total=sum(s.row_end - s.row_start for _, s in todo),
-                              advance=lambda m: m["rows"],
-                              postfix=lambda ms: {"shards": sum(m["written"] for m in ms),
-                                                  "tokens": sum(m["new_tokens"] for m in ms)})
-        run["shards_written"] = sum(m["written"] for m in pool.metas)
-        run["tokens_per_s"] = round(sum(m["new_tokens"] for m in pool.metas) / max(pool.seconds, 1e-9), 1)
+                              advance="rows",
+                              postfix=lambda t: {"shards": t.get("written", 0), "tokens": t.get("new_tokens", 0)})
+        run["shards_written"] = int(pool.totals.get("written", 0))
+        run["tokens_per_s"] = round(pool.totals.get("new_tokens", 0) / max(pool.seconds, 1e-9), 1)
         records = committed_records(out)
     done = [records[i] for i, _ in shards if i in records]
     return {**run, **totals(done)}

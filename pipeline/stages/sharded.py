@@ -64,15 +64,17 @@ def item_span(item: Mapping[str, Any]) -> ShardSpan:
 
 @dataclass
 class PoolRun:
-    """What the driver saw of an actor pool: every shard's metadata and the wall seconds."""
+    """What the driver saw of an actor pool: every written shard's metadata, the sums of their
+    numeric fields (booleans count as 0/1) and the wall seconds."""
 
     metas: list[dict[str, Any]]
+    totals: dict[str, float]
     seconds: float
 
 
 def run_actor_pool(ds, actor: type, ctor_args: tuple, *, workers: int, gpus: float | None, desc: str,
-                   unit: str, total: int, advance: Callable[[dict[str, Any]], int],
-                   postfix: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> PoolRun:
+                   unit: str, total: int, advance: str,
+                   postfix: Callable[[dict[str, float]], dict[str, Any]]) -> PoolRun:
     """Map ``actor`` over ``ds`` (a Ray Dataset, one row per shard) with a pool of ``workers`` actors
     of one CPU (and ``gpus`` GPUs) each; show progress; gather the shards that failed on storage.
 
@@ -81,8 +83,8 @@ def run_actor_pool(ds, actor: type, ctor_args: tuple, *, workers: int, gpus: flo
     whose storage retries ran out. Every other shard is still written before the failures are raised.
 
     Args:
-        advance: the progress of one shard's metadata, in ``unit``. postfix: the bar's postfix from
-            the metadata so far.
+        advance: the metadata field that is one shard's progress, in ``unit`` (``total`` in all).
+        postfix: the bar's postfix from the running totals of the metadata fields.
 
     Raises:
         StorageUnavailableError: some shards failed; the message counts them and quotes the first.
@@ -92,18 +94,21 @@ def run_actor_pool(ds, actor: type, ctor_args: tuple, *, workers: int, gpus: flo
 
     mapped = ds.map(actor, fn_constructor_args=ctor_args, compute=ray.data.ActorPoolStrategy(size=workers),
                     num_gpus=gpus, num_cpus=1)
-    t0, metas, failed = time.perf_counter(), [], []
+    t0, metas, failed, totals = time.perf_counter(), [], [], {}
     with tqdm(total=total, unit=unit, desc=desc, unit_scale=True) as bar:
         for meta in mapped.iter_rows():
             if meta["error"]:
                 failed.append(meta)
                 continue
             metas.append(meta)
-            bar.update(advance(meta))
-            bar.set_postfix(**postfix(metas))
+            for k, v in meta.items():
+                if isinstance(v, (int, float)) and k != "shard":
+                    totals[k] = totals.get(k, 0) + v
+            bar.update(meta[advance])
+            bar.set_postfix(**postfix(totals))
     if failed:
         failed.sort(key=lambda m: m["shard"])
         raise StorageUnavailableError(
             f"{len(failed)} of {len(metas) + len(failed)} shards were not written ({len(metas)} were, and are "
             f"committed): {failed[0]['error']}")
-    return PoolRun(metas, time.perf_counter() - t0)
+    return PoolRun(metas, totals, time.perf_counter() - t0)
