@@ -8,8 +8,13 @@ Layout under ``<home>/embedded-v1-py<major>.<minor>/``::
     target/                    Qwen3ForCausalLM (safetensors) + tokenizer, loadable offline
     target/metrics.json        params, steps, seconds, held-out loss and top-1
 
-A build goes to a temporary sibling folder that is renamed into place when complete, under an
-exclusive ``fcntl`` lock, so concurrent callers build once and never see a partial folder.
+The default spec's target ships with the package (``shipped_target/``: 4.8 MiB of fp32 weights,
+the tokenizer, the metrics and the spec it was trained with), so a first use only builds the chats
+(seconds) and every machine runs the demo on the same target; ``train_target=True`` (``python -m
+pipeline.embedded --train-target``) trains it instead, as any other spec always does (about 6
+minutes on 2 cores for the default). A build goes to a temporary sibling folder that is renamed into
+place when complete, under an exclusive ``fcntl`` lock, so concurrent callers build once and never
+see a partial folder.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from pipeline.embedded.tokenizer import build_tokenizer
 
 VERSION = "v1"
 URLS = ("embedded:tiny", "embedded:stdlib/train.jsonl", "embedded:stdlib/heldout.jsonl")
+SHIPPED_TARGET = Path(__file__).with_name("shipped_target")
 
 
 @dataclass(frozen=True)
@@ -82,11 +88,23 @@ def _spec_json(spec: BuildSpec) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(spec)))
 
 
+def shipped_target(spec: BuildSpec) -> Path | None:
+    """The target folder shipped with the package if it was trained with ``spec``, else None."""
+    found = SHIPPED_TARGET / "spec.json"
+    if found.is_file() and json.loads(found.read_text("utf-8")) == _spec_json(spec):
+        return SHIPPED_TARGET
+    return None
+
+
 def build_embedded(out_dir: str | Path, spec: BuildSpec = BuildSpec(),
-                   progress: bool = False) -> dict:
+                   progress: bool = False, train_target: bool = False) -> dict:
     """Build chats, tokenizer and trained target into ``out_dir`` (no locking, no reuse).
 
-    Steps: read the stdlib sources, split modules (sha256 of the name), write the chat files,
+    With ``spec``'s target shipped (:func:`shipped_target`) and ``train_target`` False, only the
+    chats are built and the shipped target (weights, tokenizer, metrics) is copied; its metrics
+    then say ``"target": "shipped"`` and keep the figures of the build that trained it.
+
+    Steps of a full build: read the stdlib sources, split modules (sha256 of the name), write the chat files,
     train the tokenizer on train-module sources and prompts, train the target on train-module
     sources mixed with the train chats rendered by the tokenizer's own template (alternately the
     whole ChatML conversation and the ``enable_thinking=False`` generation prompt + answer, so the
@@ -106,6 +124,14 @@ def build_embedded(out_dir: str | Path, spec: BuildSpec = BuildSpec(),
     train_mods, held_mods = split_modules(modules, spec.heldout_fraction)
     counts = build_stdlib_chats(paths.train_chats.parent, modules, spec.heldout_fraction,
                                 spec.max_train_chats, spec.max_heldout_chats)
+    shipped = None if train_target else shipped_target(spec)
+    if shipped is not None:
+        shutil.copytree(shipped, paths.target_dir, ignore=shutil.ignore_patterns("spec.json", "README.md"))
+        metrics = json.loads(paths.metrics.read_text("utf-8"))
+        metrics.update(target="shipped", trained_chats=metrics["chats"], chats=counts,
+                       build_seconds=round(time.perf_counter() - start, 2))
+        paths.metrics.write_text(json.dumps(metrics, indent=2) + "\n", "utf-8")
+        return metrics
     train_rows = [json.loads(line) for line in paths.train_chats.read_text("utf-8").splitlines()]
     held_rows = [json.loads(line) for line in paths.heldout_chats.read_text("utf-8").splitlines()]
 
@@ -132,6 +158,7 @@ def build_embedded(out_dir: str | Path, spec: BuildSpec = BuildSpec(),
         "heldout_chat": evaluate(model, *chat_eval_batch(tokenizer, held_rows)),
         "heldout_chat_no_think": evaluate(model, *chat_eval_batch(tokenizer, held_rows, True)),
         "chats": counts, "python": platform.python_version(), "torch": torch.__version__,
+        "target": "trained",
     }
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -168,7 +195,7 @@ def _check_spec(path: Path, spec: BuildSpec) -> None:
 
 
 def ensure_embedded(home: str | Path | None = None, spec: BuildSpec = BuildSpec(),
-                    progress: bool = False) -> EmbeddedPaths:
+                    progress: bool = False, train_target: bool = False) -> EmbeddedPaths:
     """Return the embedded build under ``home``, building it first if needed (minutes, once).
 
     Args:
@@ -176,6 +203,8 @@ def ensure_embedded(home: str | Path | None = None, spec: BuildSpec = BuildSpec(
             ``<home>/embedded-v1-py<major>.<minor>/`` (the stdlib differs between Pythons).
         spec: the build's knobs; tests pass small ones with their own ``home``.
         progress: show a progress bar while training.
+        train_target: train the target even where the package ships it (:func:`build_embedded`);
+            only for a folder not built yet.
 
     Returns:
         ``EmbeddedPaths`` of the complete build. A complete build is reused at once; concurrent
@@ -195,10 +224,12 @@ def ensure_embedded(home: str | Path | None = None, spec: BuildSpec = BuildSpec(
                 for stale in root.glob(f".{name}.tmp-*"):
                     shutil.rmtree(stale)
                 tmp = root / f".{name}.tmp-{os.getpid()}"
-                print(f"building the embedded target and stdlib chats into {final} "
-                      "(first use only; about 5 minutes on 2 cores)", file=sys.stderr, flush=True)
+                what = ("stdlib chats (the target ships with the package)"
+                        if shipped_target(spec) and not train_target
+                        else "target and stdlib chats (about 6 minutes on 2 cores for the default)")
+                print(f"building the embedded {what} into {final} (first use only)", file=sys.stderr, flush=True)
                 try:
-                    build_embedded(tmp, spec, progress)
+                    build_embedded(tmp, spec, progress, train_target)
                     (tmp / "spec.json").write_text(json.dumps(_spec_json(spec), indent=2) + "\n")
                     os.rename(tmp, final)
                 except BaseException:
