@@ -160,6 +160,7 @@ class TrainConfig:
     drafters: dict[str, DrafterSpec] = field(default_factory=dict)
     num_workers: int = 2
     concurrent_drafters: int = 1  # drafters trained at the same time, each by its own num_workers workers
+    cpus_per_worker: int = 1  # logical CPUs (and torch threads, on CPU) of each training worker
     use_gpu: bool = False
     zero_stage: int = 2
     precision: str = "fp32"  # fp32 | bf16
@@ -275,6 +276,7 @@ def validate(cfg: RunConfig) -> RunConfig:
            f"must be >= data.max_length ({cfg.data.max_length}) so every sample fits a batch")
     _check(cfg.train.lr > 0, "train.lr", f"must be > 0 (got {cfg.train.lr})")
     _check(cfg.train.concurrent_drafters >= 1, "train.concurrent_drafters", "must be >= 1")
+    _check(cfg.train.cpus_per_worker >= 1, "train.cpus_per_worker", "must be >= 1")
     _check(0 < cfg.train.adam_beta2 < 1, "train.adam_beta2", f"must be in (0, 1) (got {cfg.train.adam_beta2})")
     _check(0 <= cfg.train.warmup_ratio < 1, "train.warmup_ratio", "must be in [0, 1)")
     _check(cfg.train.zero_stage in (0, 1, 2, 3), "train.zero_stage", "must be 0, 1, 2 or 3")

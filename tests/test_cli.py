@@ -89,6 +89,7 @@ def test_relative_paths_become_absolute(tmp_path, monkeypatch, local_target):
     ("train.drafters.dspark.markov_rank=0", "train.drafters.dspark.markov_rank: must be > 0 exactly when head != none"),
     ("generate.top_p=0", "generate.top_p: must be in (0, 1]"),
     ("generate.rows_per_shard=0", "generate.rows_per_shard: must be >= 1"),
+    ("train.cpus_per_worker=0", "train.cpus_per_worker: must be >= 1"),
 ])
 def test_bad_config_is_one_line(override, msg):
     with pytest.raises(ConfigError) as e:

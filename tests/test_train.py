@@ -128,6 +128,7 @@ def test_zero2_loss_falls_and_matches_ddp(cached_run, tiny_target_dir, tmp_path)
                            "train.checkpoint_every_steps=100", "train.validation_shards=1",
                            "train.validate_every_steps=3"))
         assert s["drafters"]["dspark"]["world_size"] == 2
+        assert s["drafters"]["dspark"]["torch_threads"] == 1  # train.cpus_per_worker (default 1)
         runs[stage] = _losses(run_dir)
         rows = [json.loads(x) for x in (run_dir / "train/dspark/metrics.jsonl").read_text().splitlines()]
         val = {r["step"]: r for r in rows if "val_tau_expected" in r}

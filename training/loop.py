@@ -70,8 +70,8 @@ def recorded_config(state: dict[str, Any], ckpt: str, current):
 
 
 def _assigned_cpus() -> int:
-    """The CPUs Ray assigned to this worker (Ray Train's default: 1), or all of this machine's
-    outside Ray: the intra-op threads of a CPU worker. Ray leaves torch at one thread per core, so two
+    """The CPUs Ray assigned to this worker (``train.cpus_per_worker``, default 1), or torch's
+    current thread count outside Ray: the intra-op threads of a CPU worker. Ray leaves torch at one thread per core, so two
     one-CPU workers on 2 cores ran 4 threads and stepped at half the rate (0.18 vs 0.10 s per step of
     the demo's drafters)."""
     import ray
@@ -378,6 +378,7 @@ def train_worker(config: dict[str, Any]) -> None:
                       "max_ahead_bytes": max_ahead_bytes(timeline), "bound_bytes": job.stream_bound_bytes}
         bar.close()
         _write_outputs(job, log, tb, {"steps": pos.step, "total_steps": total, "last": last, "world_size": world,
+                                      "torch_threads": torch.get_num_threads(),
                                       "features": job.features, "stream": stream,
                                       "consumed": consumed.state(pos.epoch, pos.micro),
                                       "checkpoint": join(train_url, "checkpoints")})

@@ -140,7 +140,8 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
         trainer = TorchTrainer(
             train_worker,
             train_loop_config={"job": jobs[name]},
-            scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu),
+            scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
+                                                   resources_per_worker={"CPU": cfg.train.cpus_per_worker}),
             run_config=ray.train.RunConfig(name=f"dspark-train-{name}", storage_path=tempfile.mkdtemp(),
                                            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures)),
             **({"datasets": datasets, "dataset_config": dataset_config} if datasets is not None else {}))
