@@ -322,7 +322,7 @@ def test_estimate_renders_the_input_cases_like_the_cache_stage(tiny_target_dir, 
     files = f"[{input_cases}/chats/openai.jsonl,{input_cases}/chats/sharegpt.jsonl]"
     code, p = run(capsys, "estimate", "--config", DEFAULT_CONFIG, f"target.path={tiny_target_dir}",
                   f"data.train_files={files}", "generate.enabled=false", "cache.rows_per_shard=4",
-                  "data.min_loss_tokens=1", "run_dir=/tmp/x", "cache.storage_budget_bytes=1000")
+                  "data.min_loss_tokens=1", "run_dir=/tmp/x", "cache.storage_budget_bytes=1000", "train.epochs=5")
     assert (p["shards"], p["rows"], p["samples"]) == (8, 27, 13)  # as tests/test_cache_stage.py counts
     assert sum(p["skipped_rows"].values()) == 13 and p["skipped_rows"]["unknown_role"] == 2
     est = estimate_cache_bytes(p["tokens"], hidden_size=64, num_target_layers=3, num_samples=13,
