@@ -11,8 +11,8 @@ DSpark paper sec. 3.3 (training objective, eq. 12), per supervised predicting sl
 given an accepted prefix (Leviathan et al. 2023, Theorem 3.5), hence the confidence target.
 ``p_t`` is recomputed from the cached final hidden state with the frozen target ``lm_head``; both
 ``p_d`` and ``p_t`` are computed ``chunk_size`` slots at a time under activation checkpointing
-(where a chunk's logits reach ``LossConfig.checkpoint_min_bytes``), so no tensor of size
-(supervised slots x V) is ever alive, in forward or backward.
+where a chunk's logits reach ``LossConfig.checkpoint_min_bytes``, so that no tensor of size
+(supervised slots x V) above that bound is kept for the backward.
 
 Because W is global, the returned ``loss`` is this rank's share: summed over ranks it equals the
 loss of one rank holding all slots, whatever the world size. Engines that *average* gradients over
