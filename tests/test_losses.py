@@ -95,40 +95,26 @@ def _random_slots(M, H=8, R=4, V=50, seed=0):
     return s, heads
 
 
-def _saved_vocab_rows(size: int, V: int, checkpoint_min_bytes: int):
-    """The loss and gradients with chunks of ``size`` slots, and the rows of every saved [rows, V]
-    activation (the frozen heads excepted)."""
-    s, heads = _random_slots(37, V=V)
-    params = {id(t.untyped_storage()) for t in heads.values()}
-    rows = []
-
-    def pack(t):
-        if t.ndim == 2 and t.shape[-1] == V and id(t.untyped_storage()) not in params:
-            rows.append(t.shape[0])
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = drafter_loss(s, **heads, draft_to_target=None,
-                           config=LossConfig(chunk_size=size, checkpoint_min_bytes=checkpoint_min_bytes))
-    out.loss.backward()
-    grads = (out.loss.detach(), s.hidden.grad, s.bias_features.grad, heads["markov_w2"].grad,
-             s.confidence_logits.grad)
-    return grads, rows
-
-
 def test_chunking_changes_nothing_and_saves_no_slot_by_vocab_tensor():
     V, chunk = 50, 5
-    (small, rows), (whole, _) = (_saved_vocab_rows(size, V, checkpoint_min_bytes=0) for size in (chunk, 1000))
-    assert sum(rows) <= chunk  # no [slots, V] activation is kept for backward
-    for a, b in zip(small, whole):
+    results = []
+    for size in (chunk, 1000):
+        s, heads = _random_slots(37, V=V)
+        params = {id(t.untyped_storage()) for t in heads.values()}
+        rows = []
+
+        def pack(t):
+            if t.ndim == 2 and t.shape[-1] == V and id(t.untyped_storage()) not in params:
+                rows.append(t.shape[0])
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = drafter_loss(s, **heads, draft_to_target=None, config=LossConfig(chunk_size=size))
+        out.loss.backward()
+        assert sum(rows) <= chunk  # no [slots, V] activation is kept for backward
+        results.append((out.loss.detach(), s.hidden.grad, s.bias_features.grad, heads["markov_w2"].grad,
+                        s.confidence_logits.grad))
+    for a, b in zip(*results):
         assert torch.allclose(a, b, atol=1e-6)
-
-
-def test_small_chunks_keep_their_activations_and_give_the_same_gradients():
-    V = 50  # 37 slots x 50 x 4 bytes = 7,400 bytes of logits: below 8,000 no checkpoint, at 7,400 one
-    (kept, rows), (ckpt, ckpt_rows) = (_saved_vocab_rows(1000, V, checkpoint_min_bytes=b) for b in (8_000, 7_400))
-    assert 37 in rows and 37 not in ckpt_rows  # the logits of the whole chunk are saved only below the bound
-    for a, b in zip(kept, ckpt):
-        assert torch.equal(a, b)
 
 
 def test_confidence_loss_sends_no_gradient_through_c_star():

@@ -82,37 +82,6 @@ def _assigned_cpus() -> int:
     return max(1, int(cpus))
 
 
-MALLOC_KEEP_BYTES = 1 << 30
-"""glibc ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` of a CPU training worker (bytes): see
-:func:`keep_freed_memory`."""
-
-
-def keep_freed_memory(limit: int = MALLOC_KEEP_BYTES) -> bool:
-    """Make glibc's malloc keep freed blocks below ``limit`` bytes in the heap instead of handing
-    them back to the kernel.
-
-    A CPU training step allocates and frees the same activations (a few MB each) every step. By
-    default glibc serves blocks above its mmap threshold with ``mmap`` and returns them with
-    ``munmap``, and trims a thread arena's free top, so a step faults part of its activations in
-    again, zero-filled by the kernel. Ray Train runs the loop in a worker thread: the demo's DFlash
-    stepped at 6,250 training tokens/s there against 7,920 in a main thread, and at 8,320 with both
-    thresholds at 1 GiB (same losses, bit for bit; 150 steps made 359k minor page faults before and
-    243k after, 3.7 and 3.0 s of system time; README "Training recipe"). The memory kept is what the
-    step already needed at its peak.
-
-    Returns:
-        True where both settings took (glibc), False elsewhere (another C library: nothing changes).
-    """
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    return bool(mallopt(m_mmap_threshold, limit)) and bool(mallopt(m_trim_threshold, limit))
-
-
 def _rank_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -322,7 +291,6 @@ def train_worker(config: dict[str, Any]) -> None:
     if not job.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_num_threads(_assigned_cpus())
-        keep_freed_memory()
     from training.blocks import collate_samples
     from training.data import Prefetcher, rank_order
     from training.stream import ConsumedLog, StreamFeed, max_ahead_bytes
