@@ -28,16 +28,24 @@ PAIRS = [("dspark", "dflash"), ("control", "dflash"), ("dspark", "control"),
          ("anchor-layout", "dflash"), ("control", "anchor-layout"), ("dspark", "anchor-layout"),
          ("dflash16", "dflash"), ("dspark16", "dflash16"), ("dspark16", "dspark"),
          ("dflash-fp8", "dflash"), ("dspark-fp8", "dspark"), ("dspark-fp8", "dflash-fp8")]
-LAYERS = "num_layers: 2, mask_token_id: 5, confidence_head: true"
-ABLATIONS = ["~train.drafters.dflash", "~train.drafters.dspark", "train.concurrent_drafters=2",
-             f"++train.drafters.control={{{LAYERS}, block_size: 7, sample_from_anchor: true, head: control, "
-             "markov_rank: 64}",
-             f"++train.drafters.anchor-layout={{{LAYERS}, block_size: 7, sample_from_anchor: true, head: none, "
-             "markov_rank: 0}",
-             f"++train.drafters.dflash16={{{LAYERS}, block_size: 16, sample_from_anchor: false, head: none, "
-             "markov_rank: 0}",
-             f"++train.drafters.dspark16={{{LAYERS}, block_size: 16, sample_from_anchor: true, head: markov, "
-             "markov_rank: 64}"]
+VARIANTS = {  # name: (block size, DSpark layout, head); everything else is the demo's DSpark spec
+    "control": (7, True, "control"), "anchor-layout": (7, True, "none"),
+    "dflash16": (16, False, "none"), "dspark16": (16, True, "markov")}
+
+
+def ablations(base) -> list[str]:
+    """Config overrides that train the ablation drafters in place of the demo's two: each is the
+    demo's ``dspark`` spec (layers, mask token, initialisation, confidence head, Markov rank) with its
+    own block size, layout and head (rank 0 without a head), two at a time."""
+    spec = base.train.drafters["dspark"]
+    shared = (f"num_layers: {spec.num_layers}, mask_token_id: {spec.mask_token_id}, "
+              f"confidence_head: {str(spec.confidence_head).lower()}, init: {spec.init.value}")
+    out = [f"~train.drafters.{n}" for n in base.train.drafters] + ["train.concurrent_drafters=2"]
+    for name, (block, anchor, head) in VARIANTS.items():
+        rank = spec.markov_rank if head != "none" else 0
+        out.append(f"++train.drafters.{name}={{{shared}, block_size: {block}, "
+                   f"sample_from_anchor: {str(anchor).lower()}, head: {head}, markov_rank: {rank}}}")
+    return out
 
 
 def _stage(stage: str, run_dir: Path, *overrides: str) -> None:
@@ -82,13 +90,14 @@ def main() -> None:
         folder.mkdir(exist_ok=True)
         if not (folder / link).exists():
             (folder / link).symlink_to(run / link)
-    _stage("train", abl, *ABLATIONS)
+    base = load_config(DEFAULT_CONFIG, [f"run_dir={run}"])
+    overrides = ablations(base)
+    _stage("train", abl, *overrides)
     if not args.skip_fp8:
         _stage("cache", fp8, "cache.feature_dtype=fp8_e4m3")
         _stage("train", fp8, "cache.feature_dtype=fp8_e4m3")
 
-    cfgs = {"": load_config(DEFAULT_CONFIG, [f"run_dir={run}"]),
-            "abl": load_config(DEFAULT_CONFIG, [f"run_dir={abl}", *ABLATIONS]),
+    cfgs = {"": base, "abl": load_config(DEFAULT_CONFIG, [f"run_dir={abl}", *overrides]),
             "-fp8": load_config(DEFAULT_CONFIG, [f"run_dir={fp8}", "cache.feature_dtype=fp8_e4m3"])}
     target_dir = resolve_target_path(cfgs[""].target.path)
     bf16_drafters = {n: load_trained_drafter(c, n, target_dir) for key in ("", "abl") for c in [cfgs[key]]
