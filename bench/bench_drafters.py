@@ -36,7 +36,18 @@ VARIANTS = {  # name: (block size, DSpark layout, head); everything else is the 
 def ablations(base) -> list[str]:
     """Config overrides that train the ablation drafters in place of the demo's two: each is the
     demo's ``dspark`` spec (layers, mask token, initialisation, confidence head, Markov rank) with its
-    own block size, layout and head (rank 0 without a head), two at a time."""
+    own block size, layout and head (rank 0 without a head), two at a time.
+
+    Args:
+        base: the demo run's loaded config (:func:`pipeline.run.load_config`).
+    Returns:
+        Hydra override strings for ``python -m pipeline.run +stage=train``.
+    Raises:
+        SystemExit: the config trains no drafter named ``dspark`` (the spec the ablations copy).
+    """
+    if "dspark" not in base.train.drafters:
+        sys.exit(f"the run's config trains no 'dspark' drafter ({sorted(base.train.drafters)}): the ablations "
+                 "copy its spec; pass --run of a demo run")
     spec = base.train.drafters["dspark"]
     shared = (f"num_layers: {spec.num_layers}, mask_token_id: {spec.mask_token_id}, "
               f"confidence_head: {str(spec.confidence_head).lower()}, init: {spec.init.value}")
