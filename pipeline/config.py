@@ -63,6 +63,13 @@ class SequentialHead(str, Enum):
     control = "control"  # ablation: the Markov head's parameters fed the anchor + a slot vector
 
 
+class Optimizer(str, Enum):
+    """The train stage's optimizer (README "Training recipe")."""
+
+    adamw = "adamw"  # AdamW on every trainable parameter (the public recipes)
+    muon = "muon"  # DeepSpeed's Muon on the 2-D weights, AdamW on the rest (training.engine.DeepSpeedEngine)
+
+
 class DrafterInit(str, Enum):
     random = "random"  # Qwen3 init (the public recipes)
     target = "target"  # the backbone starts as the target's next layer (training.drafter.Drafter.init_from_target)
@@ -164,7 +171,9 @@ class TrainConfig:
     use_gpu: bool = False
     zero_stage: int = 2
     precision: str = "fp32"  # fp32 | bf16
-    lr: float = 6e-4
+    optimizer: Optimizer = Optimizer.adamw
+    lr: float = 6e-4  # AdamW's peak learning rate (with Muon: of the parameters Muon leaves to AdamW)
+    muon_lr: float = 0.02  # Muon's peak learning rate (spectral norm per update), train.optimizer=muon only
     adam_beta2: float = 0.999  # AdamW (0.9, beta2); torch's default
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
@@ -280,6 +289,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(0 < cfg.train.adam_beta2 < 1, "train.adam_beta2", f"must be in (0, 1) (got {cfg.train.adam_beta2})")
     _check(0 <= cfg.train.warmup_ratio < 1, "train.warmup_ratio", "must be in [0, 1)")
     _check(cfg.train.zero_stage in (0, 1, 2, 3), "train.zero_stage", "must be 0, 1, 2 or 3")
+    _check(cfg.train.optimizer != Optimizer.muon or cfg.train.zero_stage > 0, "train.optimizer",
+           "muon is DeepSpeed's Muon: set train.zero_stage to 1, 2 or 3 (0 is the plain-DDP cross-check)")
     _check(cfg.train.precision in ("fp32", "bf16"), "train.precision", "must be fp32 or bf16")
     per_step = cfg.train.micro_batch_samples * cfg.train.num_workers
     _check(cfg.train.global_batch_samples % per_step == 0, "train.global_batch_samples",

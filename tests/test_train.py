@@ -64,6 +64,58 @@ def test_only_stale_deepspeed_build_locks_are_removed(tmp_path):
     assert clear_stale_build_locks(str(tmp_path), max_age_s=900) == []
 
 
+MUON_STEP = r"""
+import json, os, sys
+import torch
+from torch import nn
+from training.engine import DeepSpeedEngine
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 16, bias=False)  # a matrix: Muon
+        self.norm = nn.Parameter(torch.ones(16))  # 1-D: AdamW
+    def trainable_parameters(self):
+        return list(self.parameters())
+    def forward(self, x):
+        return (self.proj(x) * self.norm).pow(2).mean()
+
+torch.manual_seed(0)
+model = Tiny()
+w0, n0 = model.proj.weight.detach().clone(), model.norm.detach().clone()
+engine = DeepSpeedEngine(model, lr=1e-3, muon_lr=0.02, betas=(0.9, 0.95), weight_decay=0.0, total_steps=10,
+                         warmup_ratio=0.0, zero_stage=2, bf16=False, micro_batch=1, accumulation=1, grad_clip=1.0)
+x = torch.randn(64, 32)
+loss = engine(x)
+engine.backward(loss)
+g, gn = model.proj.weight.grad, model.norm.grad
+g = g.clone() if g is not None else None
+engine.step()
+json.dump({"dw": (model.proj.weight.detach() - w0).tolist(), "dn": (model.norm.detach() - n0).tolist(),
+           "lr": engine.lr()}, open(sys.argv[1], "w"))
+"""
+
+
+@pytest.mark.integration
+def test_muon_orthogonalises_the_matrices_and_leaves_the_rest_to_adamw(tmp_path):
+    """train.optimizer=muon (DeepSpeed's Muon under ZeRO-2): one step moves a matrix by
+    ``muon_lr * NS(g)``, whose singular values are all near 1 (an AdamW step would be ``lr * sign(g)``
+    elementwise), and a 1-D weight by AdamW's first step ``lr * sign(g)``."""
+    out = tmp_path / "step.json"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+    r = subprocess.run([sys.executable, "-c", MUON_STEP, str(out)], env=env, capture_output=True, text=True,
+                       timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    dw, dn = torch.tensor(res["dw"]), torch.tensor(res["dn"])
+    sv = torch.linalg.svdvals(-dw / 0.02)
+    assert sv.min() > 0.5 and sv.max() < 1.5, sv  # orthogonalised: Newton-Schulz, 5 steps
+    assert res["lr"] == pytest.approx(1e-3 * lr_lambda(10, 0.0)(1))  # the AdamW half's, after one step
+    assert dn.abs().min() > 0.9e-3 and dn.abs().max() < 1.1e-3  # AdamW's first step: lr * sign(g)
+    assert not torch.allclose(dw.abs(), torch.full_like(dw, dw.abs().mean()), rtol=0.2)  # not sign(g)
+
+
 def test_rank_order_partitions_each_epoch():
     split = split_shards({0: 5, 1: 4, 2: 6, 3: 0, 4: 3}, heldout_shards=1)
     assert split.train == (0, 1, 2) and split.heldout == (4,)
@@ -124,7 +176,8 @@ def test_zero2_loss_falls_and_matches_ddp(cached_run, tiny_target_dir, tmp_path)
         run_dir = tmp_path / f"z{stage}"
         run_dir.mkdir()
         (run_dir / "cache").symlink_to(root / "run" / "cache")
-        s = run_train(_cfg(tiny_target_dir, run_dir, data, f"train.zero_stage={stage}", "train.max_steps=8",
+        s = run_train(_cfg(tiny_target_dir, run_dir, data, f"train.zero_stage={stage}", "train.optimizer=adamw",
+                           "train.max_steps=8",
                            "train.checkpoint_every_steps=100", "train.validation_shards=1",
                            "train.validate_every_steps=3"))
         assert s["drafters"]["dspark"]["world_size"] == 2

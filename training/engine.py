@@ -15,6 +15,9 @@ import torch.distributed as dist
 
 log = logging.getLogger("training.engine")
 
+MUON_MOMENTUM = 0.95
+"""Muon's momentum (its authors' value, and DeepSpeed's default)."""
+
 STALE_BUILD_LOCK_S = 600.0
 """Age (seconds) past which a DeepSpeed op's build lock is stale: the op builds in about 30 s."""
 
@@ -68,20 +71,38 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
 
 
 class DeepSpeedEngine:
-    """DeepSpeed ZeRO with a client ``torch.optim.AdamW`` (no DeepSpeed op build on CPU)."""
+    """DeepSpeed ZeRO with a client ``torch.optim.AdamW`` (no DeepSpeed op build on CPU), or with
+    DeepSpeed's own Muon (``muon_lr`` set): Newton-Schulz-orthogonalised momentum (Jordan et al.
+    2024, "Muon: an optimizer for hidden layers") for every matrix DeepSpeed tags (2-D, not named
+    ``embed`` / ``lm_head``), AdamW at ``lr`` for the rest; both follow :func:`lr_lambda`."""
 
     def __init__(self, model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float,
                  total_steps: int, warmup_ratio: float, zero_stage: int, bf16: bool, micro_batch: int,
-                 accumulation: int, grad_clip: float):
+                 accumulation: int, grad_clip: float, muon_lr: float | None = None):
         import deepspeed
 
         clear_stale_build_locks()
-        opt = torch.optim.AdamW(model.trainable_parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, warmup_ratio))
         config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulation,
                   "gradient_clipping": grad_clip, "zero_optimization": {"stage": zero_stage},
                   "bf16": {"enabled": bf16}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
                   "zero_allow_untested_optimizer": True}
+        schedule = lr_lambda(total_steps, warmup_ratio)
+        if muon_lr is None:
+            opt = torch.optim.AdamW(model.trainable_parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        else:
+            opt = None
+            if not torch.cuda.is_available():
+                # DeepSpeed torch.compile's its Newton-Schulz kernels: on CPU that is minutes of C++
+                # builds per new matrix shape for what are microseconds of eager matmuls here.
+                torch._dynamo.config.disable = True
+            # DeepSpeed orthogonalises the Muon matrices' updates before its norm and clip, so a clip
+            # would scale the updates, not the gradients: Muon's updates are normalised already.
+            config["gradient_clipping"] = 0.0
+            config["optimizer"] = {"type": "Muon", "params": {
+                "muon_lr": muon_lr, "adam_lr": lr, "betas": list(betas), "momentum": MUON_MOMENTUM,
+                "weight_decay": weight_decay}}
+            sched = lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)  # noqa: E731
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=opt, lr_scheduler=sched, config=config,
             model_parameters=model.trainable_parameters())
@@ -98,7 +119,7 @@ class DeepSpeedEngine:
         self.engine.step()  # steps the optimizer and scheduler at accumulation boundaries only
 
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return self.scheduler.get_last_lr()[-1]  # AdamW's (with Muon, the non-matrix half)
 
     def save(self, local_dir: str, tag: str) -> None:
         """Collective: every rank writes its own files under ``local_dir``."""

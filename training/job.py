@@ -25,6 +25,8 @@ class TrainJob:
         loss: the loss weights.
         lr, betas, weight_decay, warmup_ratio, grad_clip: AdamW, the warm-up + cosine schedule
             (:func:`training.engine.lr_lambda`) and the gradient-norm clip.
+        muon_lr: None for AdamW alone; else DeepSpeed's Muon at this peak learning rate for the 2-D
+            weights, AdamW at ``lr`` for the rest, no clip (:class:`training.engine.DeepSpeedEngine`).
         zero_stage: 0 = DDP, 1-3 = DeepSpeed ZeRO. bf16: bf16 autocast. use_gpu: CUDA workers.
         seed: initialisation, data order and anchors. epochs, max_steps: the budget.
         global_batch_samples, micro_batch_samples: samples per optimizer step and per forward.
@@ -71,6 +73,7 @@ class TrainJob:
     shard_counts: dict[int, int] | None = None
     step_delay_s: float = 0.0
     stream_bound_bytes: int | None = None
+    muon_lr: float | None = None
 
     def accumulation(self, world: int) -> int:
         """Micro-steps per optimizer step on each of ``world`` ranks."""

@@ -140,7 +140,7 @@ def _save(engine, train_url: str, pos: Position, state: dict[str, Any]) -> None:
     _barrier()
 
 
-def _resume(engine, train_url: str, world: int, zero_stage: int, name: str) -> tuple[Position, dict]:
+def _resume(engine, train_url: str, world: int, zero_stage: int, optimizer: str, name: str) -> tuple[Position, dict]:
     """The position of the newest committed checkpoint (engine state loaded), and what this rank had
     consumed by then (its ``consumed`` entry; empty for a fresh run or an older checkpoint)."""
     from training.checkpoint import CheckpointError, download_files, latest_checkpoint, read_parts
@@ -156,6 +156,10 @@ def _resume(engine, train_url: str, world: int, zero_stage: int, name: str) -> t
             f"has {world} ranks and zero_stage={zero_stage}: resume with train.num_workers="
             f"{state['world_size']} train.zero_stage={state['zero_stage']}, or start a new run_dir "
             "(the consolidated drafter.safetensors of that checkpoint holds the weights)")
+    if state.get("optimizer", "adamw") != optimizer:
+        raise CheckpointError(f"{ckpt} holds {state.get('optimizer', 'adamw')} optimizer state; this run uses "
+                              f"{optimizer}: resume with train.optimizer={state.get('optimizer', 'adamw')}, or "
+                              "start a new run_dir")
     files = {rel: size for part in read_parts(ckpt, world).values() for rel, size in part.items()}
     with tempfile.TemporaryDirectory() as tmp:
         download_files(join(ckpt, "engine"), files, tmp)
@@ -263,7 +267,7 @@ def _build(job: TrainJob, data: _Data, total: int, accumulation: int):
                                          data.reader.fingerprint.target["vocab_size"])
         d2t = build_d2t(counts, job.model.draft_vocab_size)
     model = build_drafter_from(job.model, job.target_dir, d2t)
-    engine = make_engine(model, job.zero_stage, lr=job.lr, betas=job.betas, weight_decay=job.weight_decay,
+    engine = make_engine(model, job.zero_stage, lr=job.lr, muon_lr=job.muon_lr, betas=job.betas, weight_decay=job.weight_decay,
                          total_steps=total, warmup_ratio=job.warmup_ratio, bf16=job.bf16,
                          micro_batch=job.micro_batch_samples, accumulation=accumulation, grad_clip=job.grad_clip)
     return engine, d2t
@@ -309,9 +313,10 @@ def train_worker(config: dict[str, Any]) -> None:
                          f"optimizer step of {job.global_batch_samples} samples")
     engine, d2t = _build(job, data, total, accumulation)
     name, train_url, loss_cfg = job.drafter, job.output_url, job.loss
-    pos, consumed_state = _resume(engine, train_url, world, job.zero_stage, name)
+    optimizer = "adamw" if job.muon_lr is None else "muon"
+    pos, consumed_state = _resume(engine, train_url, world, job.zero_stage, optimizer, name)
     consumed = ConsumedLog(consumed_state)
-    state = {"drafter": name, "zero_stage": job.zero_stage, "total_steps": total, "seed": job.seed,
+    state = {"drafter": name, "zero_stage": job.zero_stage, "optimizer": optimizer, "total_steps": total, "seed": job.seed,
              "model": model_record(engine.module.config), "cache_fingerprint": job.fingerprint,
              "reduced_vocabulary": d2t is not None, "features": job.features}
     log = MetricsLog(join(train_url, "metrics.jsonl"), pos.step) if rank == 0 else None

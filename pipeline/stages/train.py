@@ -27,7 +27,7 @@ def train_job(cfg: RunConfig, name: str, fingerprint_json: str, target_dir: str)
         fingerprint=fingerprint_json, target_dir=target_dir, output_url=join(cfg.run_dir, "train", name),
         loss=LossConfig(ce_weight=t.loss_ce, tv_weight=t.loss_tv, confidence_weight=t.loss_conf,
                         decay_lambda=t.decay_lambda),
-        lr=t.lr, betas=(0.9, t.adam_beta2), weight_decay=t.weight_decay, warmup_ratio=t.warmup_ratio,
+        lr=t.lr, muon_lr=t.muon_lr if t.optimizer.value == "muon" else None, betas=(0.9, t.adam_beta2), weight_decay=t.weight_decay, warmup_ratio=t.warmup_ratio,
         grad_clip=t.grad_clip, zero_stage=t.zero_stage, bf16=t.precision == "bf16", use_gpu=t.use_gpu, seed=t.seed,
         epochs=t.epochs, max_steps=t.max_steps, global_batch_samples=t.global_batch_samples,
         micro_batch_samples=t.micro_batch_samples, heldout_shards=t.heldout_shards,
