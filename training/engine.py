@@ -1,5 +1,6 @@
-"""Optimizer engines behind one small interface: DeepSpeed ZeRO (stages 1-3) or plain PyTorch DDP
-(``zero_stage=0``, the cross-check). Only the drafter's trainable parameters reach the optimizer:
+"""Optimizer engines behind one small interface: DeepSpeed ZeRO (stages 1-3; AdamW, or DeepSpeed's
+Muon with AdamW for the non-matrix weights) or plain PyTorch DDP with AdamW (``zero_stage=0``, the
+cross-check). Only the drafter's trainable parameters reach the optimizer:
 the frozen ``embed_tokens`` / ``lm_head`` carry no optimizer state.
 """
 from __future__ import annotations
@@ -74,7 +75,10 @@ class DeepSpeedEngine:
     """DeepSpeed ZeRO with a client ``torch.optim.AdamW`` (no DeepSpeed op build on CPU), or with
     DeepSpeed's own Muon (``muon_lr`` set): Newton-Schulz-orthogonalised momentum (Jordan et al.
     2024, "Muon: an optimizer for hidden layers") for every matrix DeepSpeed tags (2-D, not named
-    ``embed`` / ``lm_head``), AdamW at ``lr`` for the rest; both follow :func:`lr_lambda`."""
+    ``embed`` / ``lm_head``: the drafter's layers, ``fc``, the Markov and confidence heads), AdamW at
+    ``lr`` for the rest (norms); both follow :func:`lr_lambda`. With Muon ``grad_clip`` is not
+    applied (DeepSpeed orthogonalises before its clip, which would scale the updates), and on CPU the
+    worker process runs the Newton-Schulz iterations eagerly (``torch._dynamo`` off)."""
 
     def __init__(self, model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float,
                  total_steps: int, warmup_ratio: float, zero_stage: int, bf16: bool, micro_batch: int,
