@@ -267,7 +267,8 @@ def _build(job: TrainJob, data: _Data, total: int, accumulation: int):
                                          data.reader.fingerprint.target["vocab_size"])
         d2t = build_d2t(counts, job.model.draft_vocab_size)
     model = build_drafter_from(job.model, job.target_dir, d2t)
-    engine = make_engine(model, job.zero_stage, lr=job.lr, muon_lr=job.muon_lr, betas=job.betas, weight_decay=job.weight_decay,
+    engine = make_engine(model, job.zero_stage, lr=job.lr, muon_lr=job.muon_lr, betas=job.betas,
+                         weight_decay=job.weight_decay,
                          total_steps=total, warmup_ratio=job.warmup_ratio, bf16=job.bf16,
                          micro_batch=job.micro_batch_samples, accumulation=accumulation, grad_clip=job.grad_clip)
     return engine, d2t
@@ -316,7 +317,8 @@ def train_worker(config: dict[str, Any]) -> None:
     optimizer = "adamw" if job.muon_lr is None else "muon"
     pos, consumed_state = _resume(engine, train_url, world, job.zero_stage, optimizer, name)
     consumed = ConsumedLog(consumed_state)
-    state = {"drafter": name, "zero_stage": job.zero_stage, "optimizer": optimizer, "total_steps": total, "seed": job.seed,
+    state = {"drafter": name, "zero_stage": job.zero_stage, "optimizer": optimizer, "total_steps": total,
+             "seed": job.seed,
              "model": model_record(engine.module.config), "cache_fingerprint": job.fingerprint,
              "reduced_vocabulary": d2t is not None, "features": job.features}
     log = MetricsLog(join(train_url, "metrics.jsonl"), pos.step) if rank == 0 else None
