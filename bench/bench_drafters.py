@@ -11,7 +11,7 @@ block-level evaluation
 anchors and random numbers (the fp8 drafters read the same samples from their own cache), and
 prints tau ± SE at T=0 and T=1, the paired ratios ± SE and the per-slot acceptance.
 
-    python bench/bench_drafters.py [--run runs/tiny] [--samples 256]
+    python bench/bench_drafters.py [--run runs/tiny] [--samples 256] [--skip-fp8] [--variants control ...]
 """
 from __future__ import annotations
 
@@ -33,13 +33,14 @@ VARIANTS = {  # name: (block size, DSpark layout, head); everything else is the 
     "dflash16": (16, False, "none"), "dspark16": (16, True, "markov")}
 
 
-def ablations(base) -> list[str]:
+def ablations(base, variants: list[str]) -> list[str]:
     """Config overrides that train the ablation drafters in place of the demo's two: each is the
     demo's ``dspark`` spec (layers, mask token, initialisation, confidence head, Markov rank) with its
     own block size, layout and head (rank 0 without a head), two at a time.
 
     Args:
         base: the demo run's loaded config (:func:`pipeline.run.load_config`).
+        variants: names of :data:`VARIANTS` to train.
     Returns:
         Hydra override strings for ``python -m pipeline.run +stage=train``.
     Raises:
@@ -52,7 +53,8 @@ def ablations(base) -> list[str]:
     shared = (f"num_layers: {spec.num_layers}, mask_token_id: {spec.mask_token_id}, "
               f"confidence_head: {str(spec.confidence_head).lower()}, init: {spec.init.value}")
     out = [f"~train.drafters.{n}" for n in base.train.drafters] + ["train.concurrent_drafters=2"]
-    for name, (block, anchor, head) in VARIANTS.items():
+    for name in variants:
+        block, anchor, head = VARIANTS[name]
         rank = spec.markov_rank if head != "none" else 0
         out.append(f"++train.drafters.{name}={{{shared}, block_size: {block}, "
                    f"sample_from_anchor: {str(anchor).lower()}, head: {head}, markov_rank: {rank}}}")
@@ -86,6 +88,8 @@ def main() -> None:
     ap.add_argument("--run", default=str(REPO / "runs" / "tiny"), help="a finished demo run")
     ap.add_argument("--samples", type=int, default=128, help="held-out samples (x evaluate.block_anchors blocks)")
     ap.add_argument("--skip-fp8", action="store_true", help="leave out the fp8 cache and its two drafters")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                    help="the ablation drafters to train (two at a time; a new --run folder for another set)")
     args = ap.parse_args()
     from pipeline.run import DEFAULT_CONFIG, load_config
     from pipeline.target.loader import resolve_target_path
@@ -102,7 +106,7 @@ def main() -> None:
         if not (folder / link).exists():
             (folder / link).symlink_to(run / link)
     base = load_config(DEFAULT_CONFIG, [f"run_dir={run}"])
-    overrides = ablations(base)
+    overrides = ablations(base, args.variants)
     _stage("train", abl, *overrides)
     if not args.skip_fp8:
         _stage("cache", fp8, "cache.feature_dtype=fp8_e4m3")
@@ -122,7 +126,8 @@ def main() -> None:
     tally = evaluate_blocks(bf16_drafters, _batches(cfg, target_dir, args.samples), **common)
     if fp8_drafters:
         tally = evaluate_blocks(fp8_drafters, _batches(cfgs["-fp8"], target_dir, args.samples), tally=tally, **common)
-    summary = summarise(tally, pairs=[p for p in PAIRS if "fp8" not in p[0] + p[1] or fp8_drafters])
+    trained = {*bf16_drafters, *fp8_drafters}
+    summary = summarise(tally, pairs=[p for p in PAIRS if {*p} <= trained])
     print("\n" + format_table(summary))
     held = {}
     for key, c in cfgs.items():
