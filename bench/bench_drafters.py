@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=128, help="held-out samples (x evaluate.block_anchors blocks)")
     ap.add_argument("--skip-fp8", action="store_true", help="leave out the fp8 cache and its two drafters")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
-                    help="the ablation drafters to train (two at a time; a new --run folder for another set)")
+                    help="the ablation drafters to train, two at a time (a subset gets its own run folder)")
     args = ap.parse_args()
     from pipeline.run import DEFAULT_CONFIG, load_config
     from pipeline.target.loader import resolve_target_path
@@ -100,7 +100,8 @@ def main() -> None:
     run = Path(args.run).resolve()
     if not (run / "train").exists():
         sys.exit(f"{run} holds no trained drafters: run `make demo` first (or pass --run)")
-    abl, fp8 = run.parent / f"{run.name}-ablations", run.parent / f"{run.name}-fp8"
+    subset = "" if args.variants == list(VARIANTS) else "-" + "-".join(args.variants)
+    abl, fp8 = run.parent / f"{run.name}-ablations{subset}", run.parent / f"{run.name}-fp8"
     for folder, link in ((abl, "cache"), (fp8, "generate")):
         folder.mkdir(exist_ok=True)
         if not (folder / link).exists():
