@@ -103,9 +103,12 @@ class DeepSpeedEngine:
             # DeepSpeed orthogonalises the Muon matrices' updates before its norm and clip, so a clip
             # would scale the updates, not the gradients: Muon's updates are normalised already.
             config["gradient_clipping"] = 0.0
+            # torch's AdamW for the non-matrix half: DeepSpeed's CPU Adam kernel keeps beta^t as a running
+            # float product but recomputes it with pow() after a restart, so a resumed run drifted from
+            # an uninterrupted one by 1 ulp at some steps; torch derives it from the saved step count.
             config["optimizer"] = {"type": "Muon", "params": {
                 "muon_lr": muon_lr, "adam_lr": lr, "betas": list(betas), "momentum": MUON_MOMENTUM,
-                "weight_decay": weight_decay}}
+                "weight_decay": weight_decay, "torch_adam": True}}
             sched = lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)  # noqa: E731
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=opt, lr_scheduler=sched, config=config,
