@@ -75,8 +75,9 @@ class DeepSpeedEngine:
     """DeepSpeed ZeRO with a client ``torch.optim.AdamW`` (no DeepSpeed op build on CPU), or with
     DeepSpeed's own Muon (``muon_lr`` set): Newton-Schulz-orthogonalised momentum (Jordan et al.
     2024, "Muon: an optimizer for hidden layers") for every matrix DeepSpeed tags (2-D, not named
-    ``embed`` / ``lm_head``: the drafter's layers, ``fc``, the Markov and confidence heads), AdamW at
-    ``lr`` for the rest (norms); both follow :func:`lr_lambda`. With Muon ``grad_clip`` is not
+    ``embed`` / ``lm_head``: the drafter's layers, ``fc``, the Markov and confidence heads), and
+    ``torch.optim.AdamW`` (DeepSpeed's ``torch_adam``: a resumed run stays bitwise equal) at ``lr`` for the
+    rest (norms); both follow :func:`lr_lambda`. With Muon ``grad_clip`` is not
     applied (DeepSpeed orthogonalises before its clip, which would scale the updates), and on CPU the
     worker process runs the Newton-Schulz iterations eagerly (``torch._dynamo`` off)."""
 
