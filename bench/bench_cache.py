@@ -19,8 +19,8 @@ def bare_forward_tokens_per_s(cfg, rows: int) -> tuple[float, int]:
     import torch
 
     from pipeline.stages.cache import plan, render_shard
-    from pipeline.target.prefill import length_batches
-    from pipeline.target.loader import load_target, resolve_target_path
+    from pipeline.target_model.prefill import length_batches
+    from pipeline.target_model.loader import load_target, resolve_target_path
 
     torch.set_num_threads(2)
     local = resolve_target_path(cfg.target.path)

@@ -92,7 +92,7 @@ def main() -> None:
                     help="the ablation drafters to train, two at a time (a subset gets its own run folder)")
     args = ap.parse_args()
     from pipeline.run import DEFAULT_CONFIG, load_config
-    from pipeline.target.loader import resolve_target_path
+    from pipeline.target_model.loader import resolve_target_path
     from training.block_eval import format_table, summarise
     from training.block_runner import evaluate_blocks
     from pipeline.drafters import load_trained_drafter

@@ -15,9 +15,9 @@ from common import tiny_config
 
 def main() -> None:
     from pipeline.stages.evaluate import eval_prompts
-    from pipeline.target.prefill import LayerTap
+    from pipeline.target_model.prefill import LayerTap
     from pipeline.inference.speculate import plain_decode, speculative_decode
-    from pipeline.target.loader import load_target
+    from pipeline.target_model.loader import load_target
     from pipeline.drafters import load_trained_drafter
 
     ap = argparse.ArgumentParser()

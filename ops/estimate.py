@@ -148,9 +148,9 @@ def estimate(config: str, overrides: list[str], *, workers: int = 1,
 
     from ops.common import UsageError
     from pipeline.stages.cache import cache_url, plan, storage_config
-    from pipeline.target.chats import RowCounts
+    from pipeline.chats.ingest import RowCounts
     from pipeline.run import load_config
-    from pipeline.target.loader import resolve_target_path
+    from pipeline.target_model.loader import resolve_target_path
 
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")

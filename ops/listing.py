@@ -65,7 +65,7 @@ def plan_coverage(records: dict[int, ShardRecord], data_files: list[str],
         UsageError: rows_per_shard not given and no record holds a row range.
         BadInputFileError: a data file is missing or unreadable.
     """
-    from pipeline.target.chats import plan_spans
+    from pipeline.chats.ingest import plan_spans
 
     spans_of = {i: (r.extra["source"], tuple(r.extra["rows"])) for i, r in records.items()
                 if "source" in r.extra and "rows" in r.extra}

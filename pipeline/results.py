@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.config import RenderConfig
-from pipeline.target.render import thinking_mode
+from pipeline.chats.render import thinking_mode
 from storage import join, read_json
 
 

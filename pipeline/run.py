@@ -19,7 +19,7 @@ from cache_schema import CacheError
 from pipeline.config import STAGE_ORDER, RunConfig, Stage, to_dict, to_run_config
 from pipeline.errors import ConfigError, PipelineError
 from storage import configure_storage, join, write_json
-from pipeline.target.loader import resolve_target_path
+from pipeline.target_model.loader import resolve_target_path
 from training.checkpoint import CheckpointError
 from training.target_weights import TargetWeightsError
 
@@ -129,7 +129,7 @@ def check_target_layers(cfg: RunConfig, target_dir: str) -> None:
     """
     from transformers import AutoConfig
 
-    from pipeline.target.prefill import check_layer_ids
+    from pipeline.target_model.prefill import check_layer_ids
 
     check_layer_ids(cfg.target.target_layer_ids,
                     AutoConfig.from_pretrained(target_dir, local_files_only=True).num_hidden_layers)

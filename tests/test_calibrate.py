@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pipeline.stages.calibrate import (ConfidenceSet, calibrate_drafter, collect_confidence, load_confidence,
                                 save_confidence)
 from pipeline.errors import PipelineError
-from pipeline.target.prefill import TargetPrefill
+from pipeline.target_model.prefill import TargetPrefill
 from training.target_weights import load_shared_weights
 from training.blocks import collate_samples
 from training.drafter import Drafter, DrafterConfig

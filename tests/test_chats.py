@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.target.chats import BadRow, Chat, iter_chats, normalize_messages, RowError
+from pipeline.chats.ingest import BadRow, Chat, iter_chats, normalize_messages, RowError
 from pipeline.errors import BadInputFileError
 
 OPENAI_EXPECTED = {  # id -> None (kept) or reason code (cache stage: require_answer=True)
@@ -114,7 +114,7 @@ def test_parquet_rows_and_bad_file(tmp_path):
 def test_spans_cover_every_row_once(input_cases, tmp_path):
     """Shard spans (byte-seeking JSONL reader, row-group Parquet reader) give exactly the rows of a
     whole-file read, in order, for any span size."""
-    from pipeline.target.chats import plan_shards, plan_spans
+    from pipeline.chats.ingest import plan_shards, plan_spans
 
     url = str(input_cases / "chats" / "openai.jsonl")
     whole = [(r.row, type(r).__name__) for r in iter_chats(url, 0)]
@@ -136,7 +136,7 @@ def test_spans_cover_every_row_once(input_cases, tmp_path):
 
 
 def test_oversized_rows_skipped_before_decoding(tmp_path, monkeypatch):
-    from pipeline.target import chats
+    from pipeline.chats import ingest as chats
 
     monkeypatch.setattr(chats, "MAX_ROW_BYTES", 200)
     good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}

@@ -54,7 +54,7 @@ def test_features_mode_is_validated_at_config_load():
 
 
 def test_stream_items_follow_the_cache_order_and_resume_inside_a_shard():
-    from pipeline.target.chats import ShardSpan
+    from pipeline.chats.ingest import ShardSpan
     from pipeline.stages.stream import StreamPlan, shard_items
 
     counts = {0: 5, 1: 4, 2: 6, 3: 0, 4: 3, 5: 2}

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.target.chats import Chat, iter_chats, plan_spans
+from pipeline.chats.ingest import Chat, iter_chats, plan_spans
 from pipeline.config import RenderConfig
-from pipeline.target.engines import Generation, HFEngine, SamplingSpec, batch_seed, decode_answer, stop_token_ids
+from pipeline.target_model.engines import Generation, HFEngine, SamplingSpec, batch_seed, decode_answer, stop_token_ids
 from pipeline.errors import PipelineError
 from pipeline.stages.generate import (GenerateSettingsMismatchError, ShardCommitConflictError, answer_slots,
                                check_records, committed_records, generate_shard, generate_url, generated_files,
                                plan, regenerate, request_seed, settings, write_shard)
-from pipeline.target.render import render_prompt
+from pipeline.chats.render import render_prompt
 from pipeline.run import DEFAULT_CONFIG, load_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -208,7 +208,7 @@ def text_cache(tmp_path_factory, tiny_qwen3, tiny_target_dir):
     """A cache of two real samples: tiny-tokenizer text, features from the tiny target's prefill."""
     from transformers import AutoTokenizer
 
-    from pipeline.target.prefill import TargetPrefill
+    from pipeline.target_model.prefill import TargetPrefill
 
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
     fp = make_fp(hidden=64, tokenizer_hash=hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest())

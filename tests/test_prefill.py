@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pipeline.errors import ConfigError
-from pipeline.target.prefill import TargetPrefill, check_layer_ids, length_batches, next_supervised_positions
+from pipeline.target_model.prefill import TargetPrefill, check_layer_ids, length_batches, next_supervised_positions
 
 
 def _sample(rng, n, vocab=512):

@@ -5,9 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.target.chats import Chat, iter_chats
+from pipeline.chats.ingest import Chat, iter_chats
 from pipeline.config import RenderConfig
-from pipeline.target.render import render_chat, render_prompt
+from pipeline.chats.render import render_chat, render_prompt
 
 REASONING = Path(__file__).parent / "fixtures" / "reasoning" / "chats.jsonl"
 RC = RenderConfig()
@@ -141,7 +141,7 @@ class ReasoningEngine:
         self.tokenizer, self.prompts = tokenizer, []
 
     def generate(self, prompts, sampling, seeds):
-        from pipeline.target.engines import Generation
+        from pipeline.target_model.engines import Generation
 
         out = []
         for p in prompts:
@@ -227,7 +227,7 @@ def test_cache_stage_on_reasoning_data_supervises_the_think_block(ray_local, qwe
 
 
 def test_a_thinking_switch_the_template_ignores_is_reported(qwen3_tokenizer, tok_chatml):
-    from pipeline.target.render import ignored_thinking_switch
+    from pipeline.chats.render import ignored_thinking_switch
 
     said = ignored_thinking_switch(qwen3_tokenizer, RenderConfig(enable_thinking=False))
     assert said.startswith("data.render.enable_thinking=false has no effect") and "<think>" in said

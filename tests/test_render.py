@@ -5,10 +5,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.target.chats import Chat, RowError, iter_chats
+from pipeline.chats.ingest import Chat, RowError, iter_chats
 from pipeline.config import RenderConfig, SystemPromptPolicy
 from pipeline.embedded.tokenizer import build_tokenizer
-from pipeline.target.render import render_chat, render_prompt
+from pipeline.chats.render import render_chat, render_prompt
 
 RC = RenderConfig()
 

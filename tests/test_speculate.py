@@ -4,7 +4,7 @@ import torch
 
 from pipeline.config import DrafterSpec, RunConfig, SequentialHead
 from pipeline.stages.evaluate import round_metrics
-from pipeline.target.prefill import LayerTap
+from pipeline.target_model.prefill import LayerTap
 from pipeline.inference.speculate import Decoded, Round, plain_decode, speculative_decode, threshold_policy
 from training.drafter import Drafter
 from pipeline.drafters import drafter_config

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from pipeline.target.prefill import LayerTap
+from pipeline.target_model.prefill import LayerTap
 from training.spec_sampling import temperature_probs, verify_block
 
 # verified length policy: (confidence logits [gamma] or None, gamma) -> l in [0, gamma]

@@ -50,7 +50,7 @@ def profile_sps(model, batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS, *, co
 
 def main(argv: Sequence[str] | None = None) -> None:
     from pipeline.run import load_config
-    from pipeline.target.loader import load_target
+    from pipeline.target_model.loader import load_target
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config")

@@ -25,10 +25,10 @@ from cache_schema import (CacheSample, Fingerprint, StorageConfig, StorageUnavai
 from cache_schema.errors import storage_call
 from cache_schema.fingerprint import chat_template_sha256, tokenizer_sha256
 from cache_schema.layout import shard_name
-from pipeline.target.chats import BadRow, RowCounts, RowError, ShardSpan, iter_chats, plan_shards
+from pipeline.chats.ingest import BadRow, RowCounts, RowError, ShardSpan, iter_chats, plan_shards
 from pipeline.config import RunConfig
 from pipeline.errors import PipelineError, ShardPlanMismatchError
-from pipeline.target.render import ignored_thinking_switch, render_chat, render_options
+from pipeline.chats.render import ignored_thinking_switch, render_chat, render_options
 from storage import filesystem, join
 from pipeline.paths import resolve_input
 from pipeline.stages.sharded import check_spans, item_span, pending, run_actor_pool, span_item
@@ -157,9 +157,9 @@ class ShardPrefillWriter:
                  emit: bool = False, write: bool = True, local_dir: str | None = None):
         import torch
 
-        from pipeline.target.prefill import TargetPrefill
+        from pipeline.target_model.prefill import TargetPrefill
         from storage import configure_storage
-        from pipeline.target.loader import load_target, resolve_target_path
+        from pipeline.target_model.loader import load_target, resolve_target_path
 
         configure_storage(cfg.storage)
         cuda = cfg.cache.gpus_per_worker > 0 and torch.cuda.is_available()
@@ -176,7 +176,7 @@ class ShardPrefillWriter:
         """The shard's samples, prefilled (stored order), and the prefill seconds."""
         import torch
 
-        from pipeline.target.prefill import length_batches
+        from pipeline.target_model.prefill import length_batches
 
         offsets = np.asarray(work["offsets"])
         all_ids, all_mask = np.array(work["ids"], dtype=np.int32), np.array(work["mask"], dtype=np.uint8)
@@ -290,7 +290,7 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
     from transformers import AutoConfig
 
     from pipeline.cluster import init_ray
-    from pipeline.target.loader import resolve_target_path
+    from pipeline.target_model.loader import resolve_target_path
 
     local_dir = resolve_target_path(cfg.target.path)
     tok = _tokenizer(local_dir)

@@ -183,7 +183,7 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     """
     from cache_schema import CacheReader
     from pipeline.stages.cache import cache_url
-    from pipeline.target.loader import resolve_target_path
+    from pipeline.target_model.loader import resolve_target_path
     from pipeline.stages.train import expected_fingerprint
     from training.data import sample_batches, split_shards
     from pipeline.drafters import load_trained_drafter

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.target.chats import Chat, iter_chats
+from pipeline.chats.ingest import Chat, iter_chats
 from pipeline.config import RunConfig
-from pipeline.target.render import render_options, render_prompt, thinking_mode
+from pipeline.chats.render import render_options, render_prompt, thinking_mode
 from pipeline.inference.speculate import Decoded, plain_decode, speculative_decode, threshold_policy
 from pipeline.errors import PipelineError
 from storage import join, read_json
@@ -216,13 +216,13 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
     another mode is refused).
     """
     from pipeline.eval_report import plot_acceptance, tau_table, write_text
-    from pipeline.target.prefill import LayerTap
+    from pipeline.target_model.prefill import LayerTap
     from pipeline.inference.scheduler import SPSCurve, simulate
     from pipeline.inference.sps import profile_sps
-    from pipeline.target.loader import load_target
+    from pipeline.target_model.loader import load_target
     from pipeline.drafters import load_trained_drafter
 
-    from pipeline.target.loader import resolve_target_path
+    from pipeline.target_model.loader import resolve_target_path
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     target_dir = resolve_target_path(cfg.target.path)  # drafters first: a config they refuse costs nothing

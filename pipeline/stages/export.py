@@ -54,7 +54,7 @@ def run_export(cfg: RunConfig) -> dict[str, Any]:
             incomplete/untrained.
         FileNotFoundError: a drafter has no committed checkpoint (run the train stage).
     """
-    from pipeline.target.loader import resolve_target_path
+    from pipeline.target_model.loader import resolve_target_path
     from pipeline.drafters import load_trained_drafter
 
     if cfg.export.format not in FORMATS:

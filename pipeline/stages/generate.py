@@ -12,7 +12,7 @@ seeded per request from (seed, source, row, turn) and HF batches are fixed by in
 killed run, rerun, ends with the rows (and text) of an uninterrupted one: none duplicated or lost.
 
 Layout under ``<run_dir>/generate/``: ``shards/shard-000000.jsonl`` (OpenAI ``messages`` rows that
-:func:`pipeline.target.chats.iter_chats` reads), ``errors/shard-000000.jsonl`` (skipped and failed rows with
+:func:`pipeline.chats.ingest.iter_chats` reads), ``errors/shard-000000.jsonl`` (skipped and failed rows with
 their source file and line), ``commits/shard-000000.json`` (counts, checksum, settings).
 
 Reasoning targets (Qwen3 thinking): the prompt is rendered in ``data.render.enable_thinking``'s
@@ -36,11 +36,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from cache_schema.errors import StorageUnavailableError, storage_call
-from pipeline.target.chats import REASONS, BadRow, Chat, RowError, ShardSpan, iter_chats, plan_shards
+from pipeline.chats.ingest import REASONS, BadRow, Chat, RowError, ShardSpan, iter_chats, plan_shards
 from pipeline.config import RunConfig
-from pipeline.target.engines import GenerationEngine, SamplingSpec
+from pipeline.target_model.engines import GenerationEngine, SamplingSpec
 from pipeline.errors import PipelineError
-from pipeline.target.render import apply_render_policy, generation_prompt, render_options, render_prompt
+from pipeline.chats.render import apply_render_policy, generation_prompt, render_options, render_prompt
 from storage import create_exclusive, filesystem, indexed_name, join
 from pipeline.paths import resolve_input
 from pipeline.stages.sharded import check_spans, item_span, pending, run_actor_pool, span_item
@@ -183,8 +183,8 @@ def regenerate(chats: Sequence[Chat | BadRow], engine: GenerationEngine, cfg: Ru
     after the previous answer (the cache could supervise none of the rest); the row is kept.
 
     Args:
-        chats: one shard's items from :func:`pipeline.target.chats.iter_chats` (``require_answer=False``).
-        engine: a :class:`pipeline.target.engines.GenerationEngine` (its ``tokenizer`` renders prompts).
+        chats: one shard's items from :func:`pipeline.chats.ingest.iter_chats` (``require_answer=False``).
+        engine: a :class:`pipeline.target_model.engines.GenerationEngine` (its ``tokenizer`` renders prompts).
 
     Returns:
         :class:`ShardResult`; a failed row (``GENERATE_REASONS`` or render codes) is in ``errors``
@@ -367,7 +367,7 @@ def generated_files(cfg: RunConfig) -> list[str]:
             shard file is missing or has another size than its commit record says.
         GenerateSettingsMismatchError: the output was made with other settings or inputs.
     """
-    from pipeline.target.loader import resolve_target_path
+    from pipeline.target_model.loader import resolve_target_path
 
     out = generate_url(cfg)
     shards = plan(cfg)
@@ -393,7 +393,7 @@ class ShardGenerator:
     regenerates, writes and commits each shard it is given and returns only metadata."""
 
     def __init__(self, cfg: RunConfig, out_url: str, settings_: dict[str, Any], use_gpu: bool):
-        from pipeline.target.engines import make_engine
+        from pipeline.target_model.engines import make_engine
         from storage import configure_storage
 
         configure_storage(cfg.storage)
@@ -460,7 +460,7 @@ def run_generate(cfg: RunConfig) -> dict[str, Any]:
     import ray
 
     from pipeline.cluster import init_ray
-    from pipeline.target.loader import resolve_target_path
+    from pipeline.target_model.loader import resolve_target_path
 
     out = generate_url(cfg)
     want = settings(cfg, resolve_target_path(cfg.target.path))

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from cache_schema.errors import StorageUnavailableError
 from pipeline.errors import PipelineError
-from pipeline.target.chats import ShardSpan
+from pipeline.chats.ingest import ShardSpan
 
 Plan = Sequence[tuple[int, ShardSpan]]
 

@@ -44,7 +44,7 @@ def stream_plan(cfg: RunConfig, local_dir: str, heldout_shards: int, validation_
     import ray
 
     from pipeline.stages.cache import plan, render_shard
-    from pipeline.target.chats import ShardSpan
+    from pipeline.chats.ingest import ShardSpan
     from pipeline.errors import PipelineError
     from training.data import split_shards
 

@@ -87,7 +87,7 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
     from cache_schema import CacheReader
     from pipeline.stages.cache import cache_url
     from pipeline.cluster import init_ray
-    from pipeline.target.loader import resolve_target_path
+    from pipeline.target_model.loader import resolve_target_path
     from pipeline.errors import PipelineError
     from pipeline.stages.stream import data_config, stream_plan
     from training.data import split_shards

@@ -103,7 +103,7 @@ def main(vllm_out: Path, out: Path) -> None:
     from make_exports import build_spec, dflash_acceptance, run_config
     from pipeline.embedded import ensure_embedded
     from pipeline.stages.export_format import FORMATS, export_drafter, load_export
-    from pipeline.target.prefill import LayerTap
+    from pipeline.target_model.prefill import LayerTap
     from training.draft_vocab import build_d2t, count_supervised_tokens
     from pipeline.drafters import load_trained_drafter
 

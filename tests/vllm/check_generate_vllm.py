@@ -49,7 +49,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
 
-    from pipeline.target.engines import HFEngine, SamplingSpec, VLLMEngine
+    from pipeline.target_model.engines import HFEngine, SamplingSpec, VLLMEngine
 
     with tempfile.TemporaryDirectory() as d:
         model, tok = build_target(Path(d))

@@ -94,7 +94,7 @@ def dflash_acceptance(target, drafter, layer_ids, prompts, continuations) -> lis
     """
     import torch
 
-    from pipeline.target.prefill import LayerTap
+    from pipeline.target_model.prefill import LayerTap
 
     tap = LayerTap(target, layer_ids)
     counts = [0] * (drafter.config.block_size + 1)

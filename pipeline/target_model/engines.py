@@ -226,7 +226,7 @@ def make_engine(cfg: GenerateConfig, target_cfg: TargetConfig, max_model_len: in
         TargetNotFoundError: the target is not on this machine.
         PipelineError: ``engine=vllm`` without vLLM installed.
     """
-    from pipeline.target.loader import load_target, resolve_target_path
+    from pipeline.target_model.loader import load_target, resolve_target_path
 
     if cfg.engine.value == "vllm":
         from transformers import AutoTokenizer

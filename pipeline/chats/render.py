@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pipeline.target.chats import RowError
+from pipeline.chats.ingest import RowError
 from pipeline.config import RenderConfig, SystemPromptPolicy
 
 _SENTINEL = "\ue000{}\ue001"

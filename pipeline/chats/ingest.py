@@ -9,7 +9,7 @@ An assistant turn's reasoning (the thinking trace of a reasoning model) is read 
 ``reasoning_content`` (OpenAI-compatible APIs, vLLM, DeepSeek; what Qwen3's chat template reads) or
 its aliases ``reasoning`` and ``thinking`` (the first present, in that order) and kept as
 ``reasoning_content``; reasoning written inline in ``content`` as ``<think>...</think>`` is kept as
-written. Either form reaches the chat template unchanged (see ``pipeline.target.render``).
+written. Either form reaches the chat template unchanged (see ``pipeline.chats.render``).
 
 A bad row never stops the run: it becomes a :class:`BadRow` with a reason code (see ``REASONS``)
 that the stage counts and writes to its quarantine file with the source file and line. A bad file
