@@ -7,7 +7,7 @@ export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/dspark-torch-extensions
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-cluster test test-fast test-vllm test-compat bench clean
+.PHONY: install demo demo-cluster test test-fast test-vllm test-compat bench clean clean-runs
 
 # One pip command installs everything (torch pinned to the CPU build on the same line; a later,
 # separate moto install would break the s3fs/botocore pin). constraints.txt is the resolved set
@@ -96,5 +96,9 @@ test-compat: install $(SPECULATORS_VENV)/.installed-stamp $(DFLASH_VENV)/.instal
 bench: install
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
+# `clean` removes what `make install` builds and keeps every run's results; `clean-runs` removes runs/.
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .pytest_cache
+
+clean-runs:
+	rm -rf runs
