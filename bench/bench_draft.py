@@ -27,7 +27,7 @@ from transformers import Qwen3Config
 
 from training.drafter import Drafter, DrafterConfig
 
-PRESETS = {  # target shapes; the drafter has 5 layers of the target's width (recipe, DESIGN.md sec. 2)
+PRESETS = {  # target shapes; the drafter has 5 layers of the target's width (recipe, docs/design.md sec. 2)
     "tiny": dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, vocab_size=2048, num_hidden_layers=4),
     "small": dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,

@@ -5,6 +5,9 @@ metadata (about 1 KB per array, 10 arrays per shard group), shard indexes (16 by
 chunk) and the last inner chunk's padding (under one row per chunk, chunks being balanced), so with
 compression off the real size lands slightly above the estimate: well within 5% once a shard
 group holds a few hundred KB (the recipe's hold hundreds of MiB).
+
+Why two estimate modules: this is the layout's byte arithmetic (the cache contract; the cache
+stage's storage budget uses it); :mod:`ops.estimate` is the tool that renders a dataset to count its tokens.
 """
 from __future__ import annotations
 

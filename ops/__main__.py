@@ -86,13 +86,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-age", type=float, default=repair.DEFAULT_MIN_AGE_S, metavar="SECONDS",
                    help="keep shards written more recently (a writer may be running; default 3600)")
     p = command("estimate", "bytes and objects of a cache before running the cache stage", url=False)
-    p.add_argument("--config", required=True, metavar="YAML", help="the run's config file")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, as for pipeline.run")
+    p.add_argument("args", nargs="*", metavar="CONFIG.yaml|KEY=VALUE",
+                   help="the run's config file, then config overrides, as for pipeline.run")
+    p.add_argument("--config", metavar="YAML", help="the run's config file (alias of the positional CONFIG.yaml)")
     p.add_argument("--workers", type=int, default=1, help="render processes (default 1)")
     p = command("diff", "compare two caches by sample id, content hash and shard checksums", url=False)
     p.add_argument("url_a", help="first cache root")
     p.add_argument("url_b", help="second cache root")
     return parser
+
+
+def config_args(a: argparse.Namespace) -> tuple[str, list[str]]:
+    """``(config file, overrides)`` of a tool that takes a run's config as ``pipeline.run`` does:
+    ``CONFIG.yaml key=value ...`` (positional YAML, then overrides), or ``--config CONFIG.yaml key=value ...``.
+
+    Raises:
+        UsageError: no config file, or two of them.
+    """
+    from pipeline.run import is_yaml_arg
+
+    yamls = [w for w in a.args if is_yaml_arg(w)] + ([a.config] if a.config else [])
+    if len(yamls) != 1:
+        raise UsageError(f"give the run's config file once: ops {a.command} CONFIG.yaml [key=value ...] "
+                         f"(got {len(yamls)}: {yamls})")
+    return yamls[0], [w for w in a.args if not is_yaml_arg(w)]
+
+
+def _estimate(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    config, overrides = config_args(a)
+    return estimate.estimate(config, overrides, workers=a.workers)
 
 
 def _sample(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
@@ -109,7 +131,7 @@ HANDLERS: dict[str, tuple[Handler, Callable[[dict[str, Any]], str]]] = {
     "sample": (_sample, sample.render_sample),
     "du": (lambda a: listing.du(a.url), listing.render_du),
     "gc": (lambda a: repair.gc(a.url, yes=a.yes, min_age_s=a.min_age), repair.render_gc),
-    "estimate": (lambda a: estimate.estimate(a.config, a.overrides, workers=a.workers), estimate.render_estimate),
+    "estimate": (_estimate, estimate.render_estimate),
     "diff": (lambda a: compare.diff(a.url_a, a.url_b), compare.render_diff),
 }
 

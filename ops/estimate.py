@@ -5,13 +5,16 @@ Plans the shards and renders every input row exactly as the cache stage does
 Ray and no target forward pass, then sizes the result with ``cache_schema.estimate_cache_bytes``
 and counts the objects the schema-1 layout will hold. Needs the target's tokenizer and config
 (local files) but not its weights.
+
+Why two estimate modules: the byte arithmetic belongs to the cache contract
+(:mod:`cache_schema.estimate`, used by the cache stage's storage budget); this tool renders the data to count it.
 """
 from __future__ import annotations
 
 import json
 import math
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from cache_schema import StorageConfig, estimate_cache_bytes, shard_overhead_bytes
@@ -22,7 +25,7 @@ from ops.report import human_bytes, key_values, table
 ROOT_OBJECTS = 2  # fingerprint.json, and summary.json that the cache stage writes into the root
 
 # Storage requests besides the data itself, measured on S3 (moto behind a counting proxy) by
-# ``bench/bench_scale.py --cost`` (README "Object storage: retries, faults and scale"), 20 shards of 1
+# ``bench/bench_scale.py --cost`` (docs/object-storage.md), 20 shards of 1
 # and of 8 four-token samples: a write_shard made 18 PUTs (its objects) + 35 HEAD + 21 LIST + 8 GET; a
 # training epoch 1 LIST + 17 GET per shard of one sample, 4 GET per further sample (read-only stores
 # read whole objects without s3fs's HEAD first: ``cache_schema.writer.CacheRoot.shard_store``).
@@ -131,6 +134,65 @@ def feature_modes(counts: list[dict[str, Any]], cfg, nbytes: int, objects: int) 
     }
 
 
+BEFORE_GENERATE = ("generate has not run yet ({done} of {total} generate shards committed): these figures are of "
+                   "the input chats' own assistant answers (the target's rewrites will differ in length, each at "
+                   "most generate.max_new_tokens tokens; prompt-only rows count as skipped here); rerun after "
+                   "+stage=generate for the real figures")
+
+
+def _clip(spans: list, ends: dict[int, int], max_rows: int | None) -> list:
+    """The spans cut to rows below ``ends[source]``, then the prefix of whole spans holding at least
+    ``max_rows`` rows (as :func:`pipeline.chats.ingest.plan_shards` keeps one)."""
+    kept, rows = [], 0
+    for s in spans:
+        if s.row_start >= ends.get(s.source, 0) or (max_rows is not None and rows >= max_rows):
+            continue
+        kept.append(replace(s, row_end=min(s.row_end, ends[s.source])))
+        rows += kept[-1].row_end - kept[-1].row_start
+    return kept
+
+
+def input_plan(cfg, generate_plan: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """Cache shards over the input rows the generate stage will rewrite, read as they are: the rows
+    of ``generate_plan`` (``generate.max_rows``' prefix of whole generate spans of ``data.train_files``),
+    cut by ``cache.rows_per_shard``, ``cache.max_rows`` applied.
+
+    Raises:
+        BadInputFileError: a missing or unreadable file.
+    """
+    from pipeline.chats.ingest import plan_shards
+    from pipeline.paths import resolve_input
+
+    ends: dict[int, int] = {}
+    for _, span in generate_plan:
+        ends[span.source] = max(ends.get(span.source, 0), span.row_end)
+    files = [resolve_input(f) for f in cfg.data.train_files]
+    spans = [span for _, span in plan_shards(files, cfg.cache.rows_per_shard)]
+    return list(enumerate(_clip(spans, ends, cfg.cache.max_rows)))
+
+
+def estimate_plan(cfg) -> tuple[list[tuple[int, Any]], str | None]:
+    """``(planned cache shards, note)``: the cache stage's own plan, or, when ``generate.enabled`` and
+    the generate stage has not committed every shard yet, :func:`input_plan` with the note
+    :data:`BEFORE_GENERATE` (the documented use: sizing a run before any GPU work).
+
+    Raises:
+        PipelineError, GenerateSettingsMismatchError, BadInputFileError: as the cache stage's plan.
+    """
+    from pipeline.stages.cache import plan
+
+    try:
+        from pipeline.stages import generate
+    except ImportError:  # a build without the generate stage: the cache stage's plan says what to do
+        generate = None
+    if cfg.generate.enabled and generate is not None:
+        shards, records = generate.plan(cfg), generate.committed_records(generate.generate_url(cfg))
+        done = sum(i in records for i, _ in shards)
+        if done < len(shards):
+            return input_plan(cfg, shards), BEFORE_GENERATE.format(done=done, total=len(shards))
+    return plan(cfg), None
+
+
 def estimate(config: str, overrides: list[str], *, workers: int = 1,
              progress: bool = True) -> tuple[dict[str, Any], int]:
     """Size of the cache that ``+stage=cache config overrides...`` would write.
@@ -142,12 +204,15 @@ def estimate(config: str, overrides: list[str], *, workers: int = 1,
         (payload, 1 when the estimate exceeds ``cache.storage_budget_bytes``, else 0).
     Raises:
         ConfigError, TargetNotFoundError, BadInputFileError: as the cache stage would.
+
+    Before the generate stage has run (``generate.enabled`` and its shards not all committed) the
+    input chats are sized as they are and ``payload["note"]`` says so (:func:`estimate_plan`).
     """
     from tqdm import tqdm
     from transformers import AutoConfig
 
     from ops.common import UsageError
-    from pipeline.stages.cache import cache_url, plan, storage_config
+    from pipeline.stages.cache import cache_url, storage_config
     from pipeline.chats.ingest import RowCounts
     from pipeline.run import load_config
     from pipeline.target_model.loader import resolve_target_path
@@ -159,7 +224,7 @@ def estimate(config: str, overrides: list[str], *, workers: int = 1,
     model_config = AutoConfig.from_pretrained(local_dir, local_files_only=True)
     hidden, layers = int(model_config.hidden_size), len(cfg.target.target_layer_ids)
     dtype, storage = cfg.cache.feature_dtype.value, storage_config(cfg)
-    shards = plan(cfg)
+    shards, note = estimate_plan(cfg)
     with ProcessPoolExecutor(max_workers=workers) as pool:
         counts = list(tqdm(pool.map(render_counts, shards, [cfg] * len(shards), [local_dir] * len(shards)),
                            total=len(shards), unit="shard", desc="render", disable=None if progress else True))
@@ -181,7 +246,7 @@ def estimate(config: str, overrides: list[str], *, workers: int = 1,
                              chunk_bytes=storage.chunk_bytes, epochs=cfg.train.epochs,
                              drafters=len(cfg.train.drafters), workers=cfg.train.num_workers)
     modes = feature_modes(counts, cfg, total, objects)
-    payload = {"cache": cache_url(cfg), "target": cfg.target.path, "features": cfg.train.features.value,
+    payload = {"cache": cache_url(cfg), "note": note, "target": cfg.target.path, "features": cfg.train.features.value,
                "modes": modes, "hidden_size": hidden,
                "target_layer_ids": list(cfg.target.target_layer_ids), "feature_dtype": dtype,
                "storage": asdict(storage), "shards": len(counts), "rows": sum(c["rows"] for c in counts),
@@ -197,7 +262,7 @@ def render_estimate(p: dict[str, Any]) -> str:
     r = p["requests"]
     budget = "-" if p["budget_bytes"] is None else (
         f"{human_bytes(p['budget_bytes'])} ({'OVER' if p['over_budget'] else 'within'})")
-    return "\n".join([key_values([
+    return "\n".join([*([f"note: {p['note']}", ""] if p.get("note") else []), key_values([
         ("cache", p["cache"]), ("target", f"{p['target']} (hidden {p['hidden_size']}, layers "
                                           f"{p['target_layer_ids']}, features {p['feature_dtype']})"),
         ("shards", p["shards"]), ("input rows", p["rows"]), ("samples", p["samples"]), ("tokens", p["tokens"]),

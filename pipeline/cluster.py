@@ -29,7 +29,7 @@ def init_ray(cfg: RayConfig) -> None:
     else:  # no dashboard, so no state API: quiet the Ray Train thread that polls it (see below)
         reap_orphaned_instances()
         # A workstation is not preempted: Ray Train's preemption watcher (an actor per trainer
-        # polling for node drains) only takes CPU from the workers (README "Training recipe").
+        # polling for node drains) only takes CPU from the workers (docs/training-recipe.md).
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
         ray.init(num_cpus=cfg.num_cpus, include_dashboard=False,
                  runtime_env={"worker_process_setup_hook": "pipeline.cluster.quiet_ray_workers"})

@@ -37,9 +37,77 @@ class SystemPromptPolicy(str, Enum):
     default = "default"  # keep a given one, else insert ``default_system_prompt``
 
 
-class FeatureDtype(str, Enum):
+class _Dtype(str, Enum):
+    """A dtype key's value: one canonical spelling (``bf16``, ``fp32``, ``fp8_e4m3``), long aliases
+    (``bfloat16``, ``float32``) accepted as enum aliases, so a config is normalised when it is
+    loaded. ``str()``, f-strings and printed configs give the canonical name; the member's string
+    content (``.value``, JSON) is what its consumers and on-disk records always had."""
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __format__(self, spec: str) -> str:
+        return format(self.name, spec)
+
+
+class TargetDtype(_Dtype):
+    """``target.dtype``. The value is torch's / vLLM's name: the cache fingerprint records it as
+    ``target.prefill_dtype`` (unchanged, so existing caches keep their fingerprint)."""
+
+    bf16 = "bfloat16"
+    fp32 = "float32"
+    bfloat16 = "bfloat16"  # alias of bf16
+    float32 = "float32"  # alias of fp32
+
+
+class Precision(_Dtype):
+    """``train.precision``: the drafter's training precision (DeepSpeed bf16 or fp32)."""
+
+    bf16 = "bf16"
+    fp32 = "fp32"
+    bfloat16 = "bf16"  # alias of bf16
+    float32 = "fp32"  # alias of fp32
+
+
+class FeatureDtype(_Dtype):
+    """``cache.feature_dtype``: the cached features' dtype (the value is the fingerprint's spelling)."""
+
     bf16 = "bf16"
     fp8_e4m3 = "fp8_e4m3"
+    bfloat16 = "bf16"  # alias of bf16
+
+
+DTYPE_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32", "fp8_e4m3": "fp8_e4m3"}
+"""Every accepted dtype spelling -> its canonical one (the one place spellings are defined)."""
+
+
+def canonical_dtype(name: str) -> str:
+    """The canonical spelling of a dtype: ``bf16``, ``fp32`` or ``fp8_e4m3``.
+
+    Args:
+        name: any accepted spelling (see :data:`DTYPE_ALIASES`) or a dtype key's enum member.
+    Raises:
+        ConfigError: an unknown spelling (the message lists the accepted ones).
+    """
+    if isinstance(name, _Dtype):
+        return name.name
+    if name not in DTYPE_ALIASES:
+        raise ConfigError(f"dtype: {name!r} is not a dtype; use one of {', '.join(DTYPE_ALIASES)}")
+    return DTYPE_ALIASES[name]
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a dtype spelling (``bf16``/``bfloat16`` -> ``torch.bfloat16``, ...).
+
+    Args:
+        name: any accepted spelling or a dtype key's enum member (``cfg.target.dtype``).
+    Raises:
+        ConfigError: an unknown spelling.
+    """
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32,
+            "fp8_e4m3": torch.float8_e4m3fn}[canonical_dtype(name)]
 
 
 class Engine(str, Enum):
@@ -48,7 +116,7 @@ class Engine(str, Enum):
 
 
 class FeatureMode(str, Enum):
-    """Where the trainer's target features come from (README "Feature modes")."""
+    """Where the trainer's target features come from (docs/feature-modes.md)."""
 
     cache = "cache"  # committed cache shards written by +stage=cache
     online = "online"  # prefill actors stream into the trainers; nothing stored but checkpoints and metrics
@@ -64,7 +132,7 @@ class SequentialHead(str, Enum):
 
 
 class Optimizer(str, Enum):
-    """The train stage's optimizer (README "Training recipe")."""
+    """The train stage's optimizer (docs/training-recipe.md)."""
 
     adamw = "adamw"  # AdamW on every trainable parameter (the public recipes)
     muon = "muon"  # DeepSpeed's Muon on the 2-D weights, AdamW on the rest (training.engine.DeepSpeedEngine)
@@ -86,7 +154,7 @@ class TargetConfig:
     """
 
     path: str = "embedded:tiny"
-    dtype: str = "float32"  # float32 | bfloat16: the dtype the prefill runs in
+    dtype: TargetDtype = TargetDtype.fp32  # fp32 | bf16 (aliases float32 | bfloat16): the dtype the target runs in
     target_layer_ids: list[int] = field(default_factory=lambda: [0, 1, 2])
 
 
@@ -97,7 +165,7 @@ class RenderConfig:
     system_prompt: SystemPromptPolicy = SystemPromptPolicy.keep
     default_system_prompt: str = ""
     # passed to the template when set (Qwen3: False = no thinking); the drafter's serving mode: recorded in
-    # generate settings, the cache fingerprint, checkpoints and the export (README "Reasoning models")
+    # generate settings, the cache fingerprint, checkpoints and the export (docs/reasoning.md)
     enable_thinking: Optional[bool] = None
 
 
@@ -130,10 +198,10 @@ class GenerateConfig:
 
 @dataclass
 class CacheConfig:
-    """Target prefill into the sharded Zarr cache (DESIGN.md section 4)."""
+    """Target prefill into the sharded Zarr cache (docs/design.md section 4)."""
 
     rows_per_shard: int = 256  # input rows per shard (kept samples may be fewer)
-    feature_dtype: FeatureDtype = FeatureDtype.bf16
+    feature_dtype: FeatureDtype = FeatureDtype.bf16  # bf16 (alias bfloat16) | fp8_e4m3
     compression: str = "none"  # none | zstd
     max_tokens_per_batch: int = 16384  # length-aware batching cap (padded tokens per prefill batch)
     num_workers: int = 1  # prefill actors
@@ -144,7 +212,7 @@ class CacheConfig:
 
 @dataclass
 class DrafterSpec:
-    """One drafter to train (DESIGN.md section 2). ``head=none`` with ``markov_rank=0`` is DFlash."""
+    """One drafter to train (docs/design.md section 2). ``head=none`` with ``markov_rank=0`` is DFlash."""
 
     num_layers: int = 5
     block_size: int = 7
@@ -170,7 +238,7 @@ class TrainConfig:
     cpus_per_worker: int = 1  # logical CPUs (and torch threads, on CPU) of each training worker
     use_gpu: bool = False
     zero_stage: int = 2
-    precision: str = "fp32"  # fp32 | bf16
+    precision: Precision = Precision.fp32  # fp32 | bf16 (aliases float32 | bfloat16)
     optimizer: Optimizer = Optimizer.adamw
     lr: float = 6e-4  # AdamW's peak learning rate (with Muon: of the parameters Muon leaves to AdamW)
     muon_lr: float = 0.02  # Muon's peak learning rate (spectral norm per update), train.optimizer=muon only
@@ -194,12 +262,15 @@ class TrainConfig:
     checkpoint_every_steps: int = 200
     max_failures: int = 2  # Ray Train restarts of a failed worker group (from the last checkpoint)
     seed: int = 0
-    # cache | online | hybrid (README "Feature modes"); online and hybrid prefill with the cache
+    # cache | online | hybrid (docs/feature-modes.md); online and hybrid prefill with the cache
     # stage's actors (cache.num_workers, cache.gpus_per_worker) while the trainers run
     features: FeatureMode = FeatureMode.cache
     stream_memory_bytes: int = 256 * 2**20  # object-store bound of the online/hybrid stream (Ray Data)
     stream_cpus_per_worker: float = 1.0  # logical CPUs of each streaming prefill actor
     step_delay_s: float = 0.0  # artificial pause per optimizer step (back-pressure tests and benchmarks)
+    # live metrics: at most one rewrite of metrics.jsonl / upload of TensorBoard events per this many
+    # seconds on object storage (local run_dirs append every step); always at checkpoints and the end
+    metrics_flush_seconds: float = 30.0
 
 
 @dataclass
@@ -268,8 +339,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(all(b > a for a, b in zip(ids, ids[1:])), "target.target_layer_ids",
            f"must be strictly ascending (got {ids})")
     _check(ids[0] >= -1, "target.target_layer_ids", f"ids start at -1 (embedding output), got {ids[0]}")
-    _check(cfg.target.dtype in ("float32", "bfloat16"), "target.dtype",
-           f"must be float32 or bfloat16 (got {cfg.target.dtype!r})")
     _check(cfg.data.max_length > 1, "data.max_length", f"must be > 1 (got {cfg.data.max_length})")
     _check(cfg.data.min_loss_tokens >= 1, "data.min_loss_tokens",
            f"must be >= 1 (got {cfg.data.min_loss_tokens})")
@@ -291,7 +360,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.train.zero_stage in (0, 1, 2, 3), "train.zero_stage", "must be 0, 1, 2 or 3")
     _check(cfg.train.optimizer != Optimizer.muon or cfg.train.zero_stage > 0, "train.optimizer",
            "muon is DeepSpeed's Muon: set train.zero_stage to 1, 2 or 3 (0 is the plain-DDP cross-check)")
-    _check(cfg.train.precision in ("fp32", "bf16"), "train.precision", "must be fp32 or bf16")
     per_step = cfg.train.micro_batch_samples * cfg.train.num_workers
     _check(cfg.train.global_batch_samples % per_step == 0, "train.global_batch_samples",
            f"must be a multiple of micro_batch_samples x num_workers = {per_step} "
@@ -315,6 +383,7 @@ def validate(cfg: RunConfig) -> RunConfig:
                    f"a reduced draft vocabulary is counted over the cache; with train.features={mode} "
                    "leave it unset or use train.features=cache")
     _check(cfg.train.step_delay_s >= 0, "train.step_delay_s", "must be >= 0 seconds")
+    _check(cfg.train.metrics_flush_seconds >= 0, "train.metrics_flush_seconds", "must be >= 0 seconds")
     _check(cfg.train.validation_shards >= 0, "train.validation_shards", "must be >= 0 (0 = no learning curve)")
     _check(cfg.train.validate_every_steps >= 1, "train.validate_every_steps", "must be >= 1")
     _check(cfg.train.validation_samples >= 1, "train.validation_samples", "must be >= 1")

@@ -110,7 +110,8 @@ def test_qwen3_4b_offline_fails_fast_without_traceback():
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
     assert "target.path='Qwen/Qwen3-4B'" in r.stderr and "never downloads" in r.stderr
-    assert "target.path=/models/NAME" in r.stderr
+    assert "`hf download Qwen/Qwen3-4B --local-dir /models/Qwen3-4B`" in r.stderr
+    assert "target.path=/models/Qwen3-4B" in r.stderr
 
 
 def test_cli_matches_compose_loader_and_hydra_flags(local_target, tmp_path, monkeypatch):

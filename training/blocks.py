@@ -1,6 +1,6 @@
 """Training batch construction for the drafter: collation, anchor sampling, blocks, attention masks.
 
-Terms (``../shared/DESIGN.md`` section 2): an **anchor** ``a`` is a position whose token is known to
+Terms (``docs/design.md`` section 2): an **anchor** ``a`` is a position whose token is known to
 the drafter (the last verified token at inference); a **block** of ``gamma`` (block size) draft
 tokens predicts positions ``a+1 .. a+gamma``. The block layout is a config value:
 

@@ -1,6 +1,6 @@
 """The DSpark drafter: DFlash block-diffusion backbone + sequential head + confidence head.
 
-Backbone (DFlash, arXiv:2602.06036, method: context features and KV injection; DESIGN.md sec. 2):
+Backbone (DFlash, arXiv:2602.06036, method: context features and KV injection; docs/design.md sec. 2):
 the target's hidden states at ``target_layer_ids`` are fused once,
 ``ctx = RMSNorm_hidden(fc([h_l1 ; ... ; h_lL]))`` (``fc`` without bias). Each of the ``n`` Qwen3
 decoder layers takes queries from the block slots only; its keys/values are the layer's own
@@ -38,7 +38,7 @@ INIT_MODES = ("random", "target")
 
 @dataclass
 class DrafterConfig:
-    """Drafter architecture and training-time block settings (reference recipe in DESIGN.md sec. 2).
+    """Drafter architecture and training-time block settings (reference recipe in docs/design.md sec. 2).
 
     Attributes:
         target_layer_ids: ascending target layers whose outputs are the context features
@@ -241,7 +241,7 @@ class Drafter(nn.Module):
         the copied layer's input norm, every draft layer is a copy of target layer
         :attr:`init_layer` and the final norm is the target's: at step 0 the context keys and values
         of every draft layer are exactly those that layer computes in the target. This project's
-        choice for small-scale recipes (README "Training recipe": it lifts the held-out curve of the
+        choice for small-scale recipes (docs/training-recipe.md: it lifts the held-out curve of the
         demo's drafters by about a fifth at equal steps); the DFlash paper initialises at random.
 
         Args:

@@ -36,7 +36,7 @@ __all__ = ["LossConfig", "SupervisedSlots", "LossOutput", "metrics_from_stats", 
 
 @dataclass
 class LossConfig:
-    """Loss weights (recipe defaults from ``DESIGN.md`` sec. 2).
+    """Loss weights (recipe defaults from ``docs/design.md`` sec. 2).
 
     Attributes:
         ce_weight: a_CE. tv_weight: a_TV. confidence_weight: a_conf (ignored without a confidence head).

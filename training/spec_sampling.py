@@ -14,6 +14,9 @@ scheduler's survival ``a_{r,j}`` for ``j <= l``), never from the drafted values 
 Indexing (0-based in code): ``q[k]`` is the draft distribution of slot k, ``p[k]`` is the target
 distribution of the token after the prefix ``d[:k]`` (so ``p[0]`` is the target's next-token
 distribution at the anchor and ``p[gamma]`` the bonus distribution after a full accept).
+
+Why two speculative-sampling modules: this is the verify rule over tensors and the one
+temperature function (the block-level evaluation uses it too); :mod:`pipeline.inference.speculate` is the loop around an HF target.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Online and hybrid features: the rows a prefill stream carries to a training rank, and how the
-rank turns them back into the micro-batches cache mode would read (README "Feature modes").
+rank turns them back into the micro-batches cache mode would read (docs/feature-modes.md).
 
 The row contract (produced by ``pipeline.stages.stream``, consumed here; no Ray import in this module):
 
@@ -15,6 +15,9 @@ The row contract (produced by ``pipeline.stages.stream``, consumed here; no Ray 
 A rank's stream is ordered by ``(epoch, index)`` (Ray Data ``preserve_order``); :class:`StreamFeed`
 checks every row against the seeded order, so a sample that arrived out of order, twice or not at all
 stops the run instead of silently changing the data.
+
+Why two stream modules: the Ray Data side that produces these rows needs ``pipeline`` (the cache
+stage's actors) and lives in :mod:`pipeline.stages.stream`; this layer imports neither.
 """
 from __future__ import annotations
 

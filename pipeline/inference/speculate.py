@@ -7,6 +7,9 @@ bonus). The target's hidden states at the accepted positions become the drafter'
 and the KV cache is cropped back to them. The emitted tokens follow the target's distribution at
 temperature T exactly (greedy at T = 0), whatever the drafter and the verified length ``l``, as long
 as ``l`` is chosen before verification (the threshold policy below only reads confidences).
+
+Why two speculative-sampling modules: the verify rule over tensors is :mod:`training.spec_sampling`
+(with the temperature function the block-level evaluation uses); this module is the decoding loop around the target's KV cache.
 """
 from __future__ import annotations
 

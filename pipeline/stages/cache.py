@@ -1,4 +1,4 @@
-"""Cache stage: chats -> frozen-target prefill -> sharded Zarr cache (DESIGN.md section 4).
+"""Cache stage: chats -> frozen-target prefill -> sharded Zarr cache (docs/design.md section 4).
 
 Pipeline (Ray Data): plan spans (one shard = a fixed row range of one input file) -> skip
 committed shards -> render and tokenize each shard's rows (CPU tasks) -> size estimate and budget
@@ -62,7 +62,7 @@ def input_files(cfg: RunConfig) -> list[str]:
 
 
 def target_fingerprint(cfg: RunConfig, tokenizer, local_dir: str, model_config) -> Fingerprint:
-    """The cache fingerprint of DESIGN.md section 4 for this target, tokenizer and config.
+    """The cache fingerprint of docs/design.md section 4 for this target, tokenizer and config.
 
     Hashes the target's weights that the drafter shares (``embed_tokens``, ``lm_head``), never its
     name; the tokenizer by its serialised state; the chat template by its text.

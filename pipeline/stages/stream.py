@@ -14,6 +14,9 @@ Validation samples are prefilled by the same actors into a dataset materialised 
 (every rank reads all of it, as every rank reads the validation shards in cache mode). Held-out
 shards are never streamed: hybrid commits them at the end of rank 0's epoch-0 stream (calibrate and
 evaluate read them from the cache), online does not compute them.
+
+Why two stream modules: this one holds the Ray Data side (datasets, actors), which must live above
+``training``; the row contract and the order check live in :mod:`training.stream`, which imports no Ray Data.
 """
 from __future__ import annotations
 

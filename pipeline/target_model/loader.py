@@ -9,20 +9,32 @@ import os
 import re
 from pathlib import Path
 
-from pipeline.config import TargetConfig
+from pipeline.config import TargetConfig, torch_dtype
 from pipeline.errors import TargetNotFoundError
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 def _not_found(path: str) -> TargetNotFoundError:
+    """The error for a ``target.path`` that is not on this machine, with the download line that fixes it.
+
+    A hub id (``Qwen/Qwen3-4B``) gets ``hf download Qwen/Qwen3-4B --local-dir /models/Qwen3-4B`` and
+    ``target.path=/models/Qwen3-4B``; a local path gets ``hf download <hub id> --local-dir <that path>``.
+    """
+    never = "this pipeline never downloads weights at run time"
+    if _HUB_ID.match(path) and not path.startswith(".") and not Path(path).expanduser().exists():
+        local = f"/models/{path.rsplit('/', 1)[-1]}"
+        return TargetNotFoundError(
+            f"target.path={path!r} is not a local model directory and is not in the local Hugging Face cache, "
+            f"and {never}. Download it once on a machine with network access (`hf download {path} "
+            f"--local-dir {local}`), copy {local} to every node (or a shared filesystem), and run with "
+            f"target.path={local} (a folder holding config.json, the safetensors weights and the tokenizer files).")
+    what = "holds no config.json" if Path(path).expanduser().is_dir() else "does not exist"
     return TargetNotFoundError(
-        f"target.path={path!r} is not a local model directory and is not in the local Hugging Face "
-        "cache, and this pipeline never downloads weights at run time. Download the model once on a "
-        f"machine with network access (for example `huggingface-cli download {path} --local-dir "
-        "/models/NAME`), copy it to every node (or a shared filesystem), and run with "
-        "target.path=/models/NAME (a folder holding config.json, the safetensors weights and the "
-        "tokenizer files).")
+        f"target.path={path!r}: the folder {what}, and {never}. Download the model into it once on a machine "
+        f"with network access (`hf download <hub id> --local-dir {path}`, e.g. <hub id> = Qwen/Qwen3-4B), "
+        "copy it to every node (or a shared filesystem), and run again (the folder holds config.json, the "
+        "safetensors weights and the tokenizer files).")
 
 
 def resolve_target_path(path: str) -> str:
@@ -59,14 +71,12 @@ def load_target(cfg: TargetConfig, device: str = "cpu"):
     Raises:
         TargetNotFoundError: see :func:`resolve_target_path`.
     """
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per actor drowns the stage's own bar
     local = resolve_target_path(cfg.path)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-    model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype, local_files_only=True).to(device)
+    model = AutoModelForCausalLM.from_pretrained(local, dtype=torch_dtype(cfg.dtype), local_files_only=True).to(device)
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(local, local_files_only=True)
     return model, tokenizer, local

@@ -2,7 +2,7 @@
 
 Pure PyTorch (no Ray): the cache stage's actors wrap :class:`TargetPrefill`.
 
-Layer-id convention (DESIGN.md section 2): id k is the output of decoder layer k (before the final
+Layer-id convention (docs/design.md section 2): id k is the output of decoder layer k (before the final
 norm; equal to ``output_hidden_states[k + 1]`` for every layer but the last), id -1 is the
 embedding output. Ids are strictly ascending; the final layer is refused, because HF's
 ``output_hidden_states[-1]`` is taken after the final norm and the drafter's context is pre-norm.
