@@ -269,7 +269,7 @@ def test_reduced_draft_vocabulary_built_from_the_cache(cached_run, tiny_target_d
 
 
 def test_metrics_log_keeps_one_row_per_step_across_a_resume(tmp_path):
-    from training.loop import MetricsLog
+    from training.metrics_log import LiveMetrics as MetricsLog
 
     url = str(tmp_path / "train" / "metrics.jsonl")
     first = MetricsLog(url, 0)

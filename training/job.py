@@ -41,6 +41,8 @@ class TrainJob:
             split and the order are computed from it exactly as from a cache's commit records.
         step_delay_s: seconds of artificial pause after every optimizer step (back-pressure tests).
         stream_bound_bytes: the stream's object-store bound (reported next to the measured peak).
+        metrics_flush_seconds: on object storage, the most frequent rewrite of ``metrics.jsonl`` and
+            upload of TensorBoard events while the run goes (:class:`training.metrics_log.LiveMetrics`).
     """
 
     drafter: str
@@ -74,6 +76,7 @@ class TrainJob:
     step_delay_s: float = 0.0
     stream_bound_bytes: int | None = None
     muon_lr: float | None = None
+    metrics_flush_seconds: float = 30.0
 
     def accumulation(self, world: int) -> int:
         """Micro-steps per optimizer step on each of ``world`` ranks."""

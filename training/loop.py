@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from storage import configure_storage, filesystem, join
 from training.job import TrainJob
+from training.metrics_log import LiveMetrics
 from training.record import check_record, check_thinking_mode, model_record
 
 
@@ -73,7 +74,7 @@ def _assigned_cpus() -> int:
     """The CPUs Ray assigned to this worker (``train.cpus_per_worker``, default 1), or torch's current
     thread count outside Ray: the intra-op threads of a CPU worker. Ray leaves torch at one thread per
     core, so two one-CPU workers on 2 cores ran 4 threads (a 600-step demo train stage: 102 s, 79 s with
-    one thread each; README "Training recipe")."""
+    one thread each; docs/training-recipe.md)."""
     import ray
 
     if not ray.is_initialized():
@@ -284,8 +285,10 @@ def train_worker(config: dict[str, Any]) -> None:
 
     Writes, under ``job.output_url``: committed checkpoints (each records what every rank has
     ``consumed``: :class:`training.stream.ConsumedLog`), ``metrics.jsonl`` (rank 0, one row per
-    optimizer step), TensorBoard events, ``curves.png`` and ``result.json`` at the end (with the
-    stream's rows, bytes and peak in-flight bytes in online / hybrid mode).
+    optimizer step) and TensorBoard events in ``tensorboard/``, both as the run goes
+    (:class:`training.metrics_log.LiveMetrics`, every ``job.metrics_flush_seconds`` on object
+    storage), ``curves.png`` and ``result.json`` at the end (with the stream's rows, bytes and peak
+    in-flight bytes in online / hybrid mode).
 
     Raises:
         FingerprintMismatchError: the cache does not fit the job's fingerprint (before step 1).
@@ -321,8 +324,8 @@ def train_worker(config: dict[str, Any]) -> None:
              "seed": job.seed,
              "model": model_record(engine.module.config), "cache_fingerprint": job.fingerprint,
              "reduced_vocabulary": d2t is not None, "features": job.features}
-    log = MetricsLog(join(train_url, "metrics.jsonl"), pos.step) if rank == 0 else None
-    tb = _tensorboard() if rank == 0 else None
+    log = LiveMetrics(join(train_url, "metrics.jsonl"), pos.step, tensorboard_url=join(train_url, "tensorboard"),
+                      flush_seconds=job.metrics_flush_seconds) if rank == 0 else None
     bar = _progress(total, pos.step, name) if rank == 0 else None
     t_step, tokens, waited, last = time.perf_counter(), 0, 0.0, None
     timeline: list = []  # (produced_at, consumed_at, bytes) of every streamed row
@@ -361,7 +364,7 @@ def train_worker(config: dict[str, Any]) -> None:
                 last = {**_metrics_row(out, engine, pos, tokens * world, seconds, feed.wait_seconds - waited),
                         **validated}
                 log.add(last)
-                _log_step(last, tb, bar)
+                _show_step(last, bar)
             t_step, tokens, waited = time.perf_counter(), 0, feed.wait_seconds
             if pos.step % job.checkpoint_every_steps == 0 or pos.step == total:
                 if rank == 0:
@@ -384,23 +387,20 @@ def train_worker(config: dict[str, Any]) -> None:
             stream = {"rows": len(timeline), "bytes": int(sum(n for _, _, n in timeline)),
                       "max_ahead_bytes": max_ahead_bytes(timeline), "bound_bytes": job.stream_bound_bytes}
         bar.close()
-        _write_outputs(job, log, tb, {"steps": pos.step, "total_steps": total, "last": last, "world_size": world,
-                                      "torch_threads": torch.get_num_threads(),
-                                      "features": job.features, "stream": stream,
-                                      "consumed": consumed.state(pos.epoch, pos.micro),
-                                      "checkpoint": join(train_url, "checkpoints")})
+        _write_outputs(job, log, {"steps": pos.step, "total_steps": total, "last": last, "world_size": world,
+                                  "torch_threads": torch.get_num_threads(),
+                                  "features": job.features, "stream": stream,
+                                  "consumed": consumed.state(pos.epoch, pos.micro),
+                                  "checkpoint": join(train_url, "checkpoints")})
 
 
-def _write_outputs(job: TrainJob, log: "MetricsLog", tb, result: dict[str, Any]) -> None:
-    """Rank 0 at the end: the metrics log, TensorBoard events, ``curves.png`` (held-out learning
-    curves, when validated) and ``result.json`` (``result`` plus the curves' summary)."""
-    from training.checkpoint import upload_dir
+def _write_outputs(job: TrainJob, log: LiveMetrics, result: dict[str, Any]) -> None:
+    """Rank 0 at the end: the last metrics and TensorBoard events (``log`` closed), ``curves.png``
+    (held-out learning curves, when validated) and ``result.json`` (``result`` plus the curves' summary)."""
     from training.validation import curve_summary, plot_curves
 
     train_url = job.output_url
-    tb.close()
-    log.flush()
-    upload_dir(tb.log_dir, join(train_url, "tensorboard"))
+    log.close()
     curves = curve_summary(log.rows)
     if curves is not None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -411,46 +411,12 @@ def _write_outputs(job: TrainJob, log: "MetricsLog", tb, result: dict[str, Any])
     fs.pipe_file(path, json.dumps({**result, "validation": curves}, default=str).encode())
 
 
-class MetricsLog:
-    """``metrics.jsonl``: one row per optimizer step, written whole at checkpoints and at the end
-    (an object store cannot append; rewriting it every step would cost O(steps^2) bytes).
-
-    On resume the rows of steps after the resumed checkpoint (written by the killed attempt) are
-    dropped, so the file keeps exactly one row per step.
-    """
-
-    def __init__(self, url: str, resumed_step: int):
-        self.fs, self.path = filesystem(url)
-        self.rows: list[dict[str, Any]] = []
-        if self.fs.exists(self.path):
-            lines = self.fs.cat_file(self.path).decode().splitlines()
-            self.rows = [r for r in map(json.loads, filter(None, lines)) if r["step"] <= resumed_step]
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-
-    def flush(self) -> None:
-        self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
-        self.fs.pipe_file(self.path, "".join(json.dumps(r) + "\n" for r in self.rows).encode())
-
-
-def _log_step(row: dict[str, Any], tb, bar) -> None:
-    for k, v in row.items():
-        if isinstance(v, float):
-            tb.add_scalar(f"{'validation' if k.startswith('val_') else 'train'}/{k.removeprefix('val_')}", v,
-                          row["step"])
+def _show_step(row: dict[str, Any], bar) -> None:
     bar.update(1)
     postfix = {"loss": f"{row['loss']:.3f}", "tau": f"{row['tau_expected']:.2f}"}
     if "val_tau_expected" in row:
         postfix["val_tau"] = f"{row['val_tau_expected']:.3f}"
     bar.set_postfix(**postfix)
-
-
-def _tensorboard():
-    """TensorBoard events go to a local folder, copied to the run's ``tensorboard/`` at the end."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(tempfile.mkdtemp(prefix="dspark-tb-"))
 
 
 def _progress(total: int, done: int, name: str):
