@@ -113,17 +113,20 @@ def test_flex_attention_equals_dense_sdpa(tiny_qwen3, samples):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_flex_training_step_equals_sdpa_on_gpu(tiny_qwen3, samples):
+    """flex on CUDA against the sdpa reference on the CPU (sdpa with a mask is refused on CUDA:
+    ``training.drafter.resolve_attention``); the same blocks, drawn on the CPU, for both."""
+    from training.data import to_device
+
     batch = collate_samples(samples)
-    batch = type(batch)(**{k: v.cuda() for k, v in vars(batch).items()})
     grads = []
-    for attention in ("sdpa", "flex"):
-        d = _drafter(tiny_qwen3, attention=attention).cuda()
-        blocks = d.make_blocks(batch, torch.Generator("cuda").manual_seed(0))
-        out = d.loss(d(batch, blocks), LossConfig())
+    for attention, device in (("sdpa", "cpu"), ("flex", "cuda")):
+        d = _drafter(tiny_qwen3, attention=attention).to(device)
+        blocks = d.make_blocks(batch, torch.Generator().manual_seed(0))
+        out = d.loss(d(to_device(batch, torch.device(device)), to_device(blocks, torch.device(device))), LossConfig())
         out.loss.backward()
-        grads.append((out.loss.detach(), d.layers[0].self_attn.q_proj.weight.grad))
-    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-4)
-    assert torch.allclose(grads[0][1], grads[1][1], atol=1e-4)
+        grads.append((out.loss.detach().cpu(), d.layers[0].self_attn.q_proj.weight.grad.cpu()))
+    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-4, rtol=1e-3)
+    assert torch.allclose(grads[0][1], grads[1][1], atol=1e-4, rtol=1e-3)
 
 
 @pytest.mark.parametrize("to_backbone", [False, True])

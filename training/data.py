@@ -6,12 +6,15 @@ sample of an epoch is seen twice and none is skipped.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import queue
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
+import torch
 
 from cache_schema import CacheReader, CacheSample
 from cache_schema.split import ShardSplit, split_shards  # noqa: F401 (re-exported: the split is the cache's)
@@ -63,6 +66,91 @@ def sample_batches(reader: CacheReader, shards: Sequence[int], micro_batch: int,
         yield batch
 
 
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it: the object itself when a tensor, the fields
+    of a dataclass, the values of a dict, the items of a list / tuple (named tuples included), nested.
+    Anything else is kept as is; a container none of whose tensors changed is returned itself."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changed = {}
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            new = _map_tensors(v, fn)
+            if new is not v:
+                changed[f.name] = new
+        if not changed:
+            return obj
+        out = copy.copy(obj)  # no __init__ / __post_init__: moving a batch re-validates nothing
+        for k, v in changed.items():
+            object.__setattr__(out, k, v)
+        return out
+    if isinstance(obj, dict):
+        changed = {k: new for k, v in obj.items() if (new := _map_tensors(v, fn)) is not v}
+        if not changed:
+            return obj
+        out = copy.copy(obj)
+        out.update(changed)
+        return out
+    if isinstance(obj, (list, tuple)):
+        items = [_map_tensors(v, fn) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """The device of ``module``'s first parameter (else its first buffer; the CPU when it has
+    neither): where its inputs must be, since neither the module nor a DeepSpeed / DDP engine
+    around it moves them."""
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def pin_batch(obj: Any) -> Any:
+    """``obj`` (a :class:`training.blocks.DraftBatch`, :class:`training.blocks.Blocks`, or dicts /
+    lists / tuples / dataclasses of tensors, nested) with every CPU tensor copied into pinned
+    (page-locked) host memory, so that :func:`to_device`'s ``non_blocking`` copy to CUDA is an
+    asynchronous DMA that overlaps compute. Shapes and dtypes are kept; tensors already pinned or
+    not on the CPU are kept as they are.
+
+    Raises:
+        RuntimeError: from torch, when no CUDA device is available (pinned memory needs one).
+    """
+    return _map_tensors(obj, lambda t: t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t)
+
+
+def to_device(obj: Any, device: torch.device | str) -> Any:
+    """``obj`` (a :class:`training.blocks.DraftBatch`, :class:`training.blocks.Blocks`, or dicts /
+    lists / tuples / dataclasses of tensors, nested) with every tensor on ``device``: the one
+    boundary where a batch built on the CPU meets the model (:func:`module_device`).
+
+    Shapes and dtypes are kept (a bf16 ``features`` stays bf16; the model casts it); non-tensor
+    fields are kept. A tensor already on ``device`` is returned itself (``Tensor.to`` is a no-op
+    there), and a container with nothing to move is returned itself: on a CPU model the move
+    changes nothing, bit for bit. Towards CUDA, CPU tensors not yet pinned are pinned first
+    (:func:`pin_batch`; the prefetch thread pins the batch ahead of time) and copied with
+    ``non_blocking=True`` (ordered on the current stream before the kernels that read them);
+    towards the CPU the copies are blocking, so the result is safe to read at once.
+
+    Raises:
+        RuntimeError: from torch, when ``device`` is not available.
+    """
+    device = torch.device(device)
+    to_cuda, non_blocking = device.type == "cuda", device.type != "cpu"
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if to_cuda and t.device.type == "cpu" and not t.is_pinned():
+            t = t.pin_memory()
+        return t.to(device, non_blocking=non_blocking)
+
+    return _map_tensors(obj, move)
+
+
 class Prefetcher:
     """Reads micro-batches on a background thread so the step does not wait on storage.
 
@@ -72,18 +160,23 @@ class Prefetcher:
         micro_batch: samples per micro-batch.
         start: micro-batches to skip (resume position); ``stop``: micro-batch count to end at.
         depth: micro-batches read ahead.
+        collate: if given, run on the background thread over each micro-batch's sample mappings
+            (e.g. :func:`training.blocks.collate_samples`, then :func:`pin_batch` for a CUDA model,
+            so that the host-to-device copy overlaps compute); its exceptions reach the consumer.
 
-    Iterating yields lists of sample mappings; :attr:`wait_seconds` accumulates the time the
-    consumer spent blocked (what the data-wait fraction reports).
+    Iterating yields lists of sample mappings, or with ``collate`` ``(samples, collate(samples))``
+    pairs; :attr:`wait_seconds` accumulates the time the consumer spent blocked (what the
+    data-wait fraction reports).
     """
 
     def __init__(self, reader: CacheReader, order: Sequence[tuple[int, int]], micro_batch: int,
-                 start: int, stop: int, depth: int = 4):
+                 start: int, stop: int, depth: int = 4, collate: Callable[[list[dict]], Any] | None = None):
         starts = {s: g for s, g in zip(reader.shards, np.cumsum([0] + [reader.records[s].num_samples
                                                                        for s in reader.shards]).tolist())}
         self._globals = [starts[s] + k for s, k in order]
         self._mb, self._start, self._stop = micro_batch, start, stop
         self._reader = reader
+        self._collate = collate
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self.wait_seconds = 0.0
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -93,7 +186,8 @@ class Prefetcher:
         try:
             for m in range(self._start, self._stop):
                 idx = self._globals[m * self._mb:(m + 1) * self._mb]
-                self._q.put([as_mapping(self._reader.sample(i)) for i in idx])
+                samples = [as_mapping(self._reader.sample(i)) for i in idx]
+                self._q.put(samples if self._collate is None else (samples, self._collate(samples)))
         except Exception as e:  # surfaced to the consumer, never swallowed
             self._q.put(e)
         self._q.put(None)

@@ -30,7 +30,7 @@ from training.draft_vocab import draft_to_target_ids
 from training.heads import HEAD_TYPES, ConfidenceHead, build_sequential_head, sample_sequential
 from training.losses import LossConfig, LossOutput, SupervisedSlots, drafter_loss
 
-__all__ = ["DrafterConfig", "DraftContext", "DraftResult", "Drafter"]
+__all__ = ["DrafterConfig", "DraftContext", "DraftResult", "Drafter", "resolve_attention"]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 INIT_MODES = ("random", "target")
@@ -97,6 +97,40 @@ class DrafterConfig:
     def slots(self) -> int:
         """Slots per block S: gamma (DSpark layout) or gamma + 1 (DFlash layout)."""
         return self.block_size if self.sample_from_anchor else self.block_size + 1
+
+
+@functools.cache
+def resolve_attention(attention: str, device_type: str) -> str:
+    """The attention kernel of a training forward (masked block attention) for a
+    :attr:`DrafterConfig.attention` on a device type: ``"flex"`` or ``"sdpa"``.
+
+    ``"auto"`` is flex on CUDA and sdpa elsewhere; ``"flex"`` is flex everywhere; ``"sdpa"`` is sdpa
+    on every device but CUDA. There it is refused: with a boolean mask and ``enable_gqa`` torch's
+    sdpa can only take its math kernel on CUDA, which materialises fp32 scores
+    ``[B, heads, N*S, T + N*S]`` per layer (about 14 GB at B = 4, 32 heads, 3,584 block slots and
+    7,680 keys), where flex attention runs the same rule as a fused, block-sparse kernel. Inference
+    (:meth:`Drafter.draft_block`) attends without a mask and is not concerned.
+
+    Args:
+        attention: ``"auto"``, ``"sdpa"`` or ``"flex"``. device_type: ``torch.device.type`` of the
+            forward's tensors (``"cuda"``, ``"cpu"``, ...).
+    Returns:
+        ``"flex"`` or ``"sdpa"``.
+    Raises:
+        ValueError: ``attention="sdpa"`` on ``"cuda"`` (use flex attention:
+            ``DrafterConfig.attention="flex"``, or ``"auto"``, which takes flex on CUDA), or an
+            unknown ``attention``.
+    """
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+    if attention == "sdpa" and device_type == "cuda":
+        raise ValueError("attention='sdpa' on CUDA: with the boolean block mask sdpa can only take its math "
+                         "kernel there, whose fp32 scores [B, heads, N*S, T+N*S] are ~14 GB per layer at the "
+                         "recipe's shape; use flex attention: DrafterConfig.attention='flex' (or 'auto', "
+                         "flex on CUDA)")
+    if attention == "auto":
+        return "flex" if device_type == "cuda" else "sdpa"
+    return attention
 
 
 @dataclass
@@ -341,18 +375,21 @@ class Drafter(nn.Module):
         Returns:
             the M supervised slots (:class:`training.losses.SupervisedSlots`).
         Raises:
-            ValueError: blocks built with another layout / block size, or features of the wrong width.
+            ValueError: blocks built with another layout / block size, features of the wrong width,
+                or ``config.attention="sdpa"`` on CUDA (:func:`resolve_attention`; raised before any
+                layer runs).
         """
         cfg = self.config
         B, T = batch.input_ids.shape
         N, S, gamma = blocks.anchors.shape[1], blocks.slots, cfg.block_size
         if blocks.sample_from_anchor != cfg.sample_from_anchor or blocks.labels.shape[-1] != gamma:
             raise ValueError("blocks were built with another layout or block size than this drafter's config")
+        # the kernel, where the weights are: once per forward (before any compute), not per layer
+        use_flex = resolve_attention(cfg.attention, self.fc.weight.device.type) == "flex"
         ctx = self._fuse(batch.features)
         cos_c, sin_c = self.rotary_emb(ctx, torch.arange(T, device=ctx.device).expand(B, T))
         x = self._embed(blocks.input_ids.view(B, N * S))
         cos_q, sin_q = self.rotary_emb(x, blocks.positions.view(B, N * S))
-        use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and x.is_cuda)
         mask = (flex_block_mask if use_flex else dense_block_mask)(blocks.anchors, T, S)
         for layer in self.layers:
             ck, cv = self._context_kv(layer, ctx, cos_c, sin_c)

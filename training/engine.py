@@ -71,6 +71,47 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
     return f
 
 
+def deepspeed_config(*, micro_batch: int, accumulation: int, grad_clip: float, zero_stage: int, bf16: bool,
+                     lr: float, betas: tuple[float, float], weight_decay: float,
+                     muon_lr: float | None = None) -> dict:
+    """The DeepSpeed config dict of :class:`DeepSpeedEngine` (pure: no DeepSpeed import).
+
+    With ``bf16`` the gradients are accumulated over micro-steps in fp32
+    (``"data_types": {"grad_accum_dtype": "fp32"}``): without it DeepSpeed accumulates them in the
+    model's bf16 (ZeRO-2 / ZeRO-3 add each micro-step's reduced bf16 gradient into a bf16 buffer,
+    8 bits of mantissa over ``accumulation`` additions). DeepSpeed then keeps fp32 gradient
+    partitions under ZeRO-2 / ZeRO-3 and, at ZeRO-1, wraps the optimizer in its ``BF16_Optimizer``
+    (ZeRO-1 partitioning with fp32 accumulation; its Muon requires fp32 accumulation). The
+    per-micro-step gradient reduction still communicates in bf16 (``communication_data_type``
+    defaults to the model dtype). In fp32 training there is no ``data_types`` entry: nothing changes.
+
+    Args:
+        micro_batch: samples per micro-step and rank. accumulation: micro-steps per optimizer step.
+        grad_clip: global gradient-norm clip (ignored with Muon: 0). zero_stage: 1-3. bf16: bf16
+            parameters and compute. lr, betas, weight_decay: AdamW's (with Muon, its non-matrix half).
+        muon_lr: None = client AdamW (no ``optimizer`` entry); else DeepSpeed's Muon at this lr.
+    Returns:
+        the config dict passed to ``deepspeed.initialize``.
+    """
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulation,
+              "gradient_clipping": grad_clip, "zero_optimization": {"stage": zero_stage},
+              "bf16": {"enabled": bf16}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+              "zero_allow_untested_optimizer": True}
+    if bf16:
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if muon_lr is not None:
+        # DeepSpeed orthogonalises the Muon matrices' updates before its norm and clip, so a clip
+        # would scale the updates, not the gradients: Muon's updates are normalised already.
+        config["gradient_clipping"] = 0.0
+        # torch's AdamW for the non-matrix half: DeepSpeed's CPU Adam kernel keeps beta^t as a running
+        # float product but recomputes it with pow() after a restart, so a resumed run drifted from
+        # an uninterrupted one by 1 ulp at some steps; torch derives it from the saved step count.
+        config["optimizer"] = {"type": "Muon", "params": {
+            "muon_lr": muon_lr, "adam_lr": lr, "betas": list(betas), "momentum": MUON_MOMENTUM,
+            "weight_decay": weight_decay, "torch_adam": True}}
+    return config
+
+
 class DeepSpeedEngine:
     """DeepSpeed ZeRO with a client ``torch.optim.AdamW`` (no DeepSpeed op build on CPU), or with
     DeepSpeed's own Muon (``muon_lr`` set): Newton-Schulz-orthogonalised momentum (Jordan et al.
@@ -79,7 +120,8 @@ class DeepSpeedEngine:
     ``torch.optim.AdamW`` (DeepSpeed's ``torch_adam``: a resumed run stays bitwise equal) at ``lr`` for the
     rest (norms); both follow :func:`lr_lambda`. With Muon ``grad_clip`` is not
     applied (DeepSpeed orthogonalises before its clip, which would scale the updates), and on CPU the
-    worker process runs the Newton-Schulz iterations eagerly (``torch._dynamo`` off)."""
+    worker process runs the Newton-Schulz iterations eagerly (``torch._dynamo`` off). The DeepSpeed
+    config is :func:`deepspeed_config`'s (bf16: fp32 gradient accumulation)."""
 
     def __init__(self, model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float,
                  total_steps: int, warmup_ratio: float, zero_stage: int, bf16: bool, micro_batch: int,
@@ -87,10 +129,9 @@ class DeepSpeedEngine:
         import deepspeed
 
         clear_stale_build_locks()
-        config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulation,
-                  "gradient_clipping": grad_clip, "zero_optimization": {"stage": zero_stage},
-                  "bf16": {"enabled": bf16}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
-                  "zero_allow_untested_optimizer": True}
+        config = deepspeed_config(micro_batch=micro_batch, accumulation=accumulation, grad_clip=grad_clip,
+                                  zero_stage=zero_stage, bf16=bf16, lr=lr, betas=betas, weight_decay=weight_decay,
+                                  muon_lr=muon_lr)
         schedule = lr_lambda(total_steps, warmup_ratio)
         if muon_lr is None:
             opt = torch.optim.AdamW(model.trainable_parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
@@ -101,15 +142,6 @@ class DeepSpeedEngine:
                 # DeepSpeed torch.compile's its Newton-Schulz kernels: on CPU that is minutes of C++
                 # builds per new matrix shape for what are microseconds of eager matmuls here.
                 torch._dynamo.config.disable = True
-            # DeepSpeed orthogonalises the Muon matrices' updates before its norm and clip, so a clip
-            # would scale the updates, not the gradients: Muon's updates are normalised already.
-            config["gradient_clipping"] = 0.0
-            # torch's AdamW for the non-matrix half: DeepSpeed's CPU Adam kernel keeps beta^t as a running
-            # float product but recomputes it with pow() after a restart, so a resumed run drifted from
-            # an uninterrupted one by 1 ulp at some steps; torch derives it from the saved step count.
-            config["optimizer"] = {"type": "Muon", "params": {
-                "muon_lr": muon_lr, "adam_lr": lr, "betas": list(betas), "momentum": MUON_MOMENTUM,
-                "weight_decay": weight_decay, "torch_adam": True}}
             sched = lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)  # noqa: E731
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=opt, lr_scheduler=sched, config=config,

@@ -7,6 +7,7 @@ run draws exactly the anchors an uninterrupted one would.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -275,6 +276,47 @@ def _build(job: TrainJob, data: _Data, total: int, accumulation: int):
     return engine, d2t
 
 
+def host_batch(samples, pin: bool):
+    """The :class:`training.blocks.DraftBatch` of a micro-batch's sample mappings, on the CPU
+    (:func:`training.blocks.collate_samples`), in pinned memory when ``pin`` (a CUDA model:
+    :func:`training.data.pin_batch`). Runs on the prefetch thread in cache mode.
+
+    Raises:
+        ValueError: samples that do not collate (see :func:`training.blocks.collate_samples`).
+        RuntimeError: ``pin`` without a CUDA device.
+    """
+    from training.blocks import collate_samples
+    from training.data import pin_batch
+
+    batch = collate_samples(samples)
+    return pin_batch(batch) if pin else batch
+
+
+def micro_step(engine, batch, generator: torch.Generator, loss_cfg, world: int):
+    """One training micro-step on a CPU batch: blocks drawn on the CPU (``engine.module.make_blocks``
+    with ``generator``, a CPU generator, so the anchors are the same on every device), batch and
+    blocks moved to the model's device (:func:`training.data.to_device`, the one hand-off: the
+    engines do not move inputs; a no-op on a CPU model), forward, loss, ``backward(loss * world)``
+    (the engine averages gradients over ranks) and ``engine.step()``.
+
+    Args:
+        engine: a :func:`training.engine.make_engine` engine (its ``module`` a drafter).
+        batch: a :class:`training.blocks.DraftBatch` on the CPU (pinned for a CUDA model).
+        loss_cfg: a :class:`training.losses.LossConfig`. world: the number of ranks.
+    Returns:
+        the :class:`training.losses.LossOutput` (tensors on the model's device).
+    """
+    from training.data import module_device, to_device
+
+    model = engine.module
+    blocks = model.make_blocks(batch, generator)
+    device = module_device(model)
+    out = model.loss(engine(to_device(batch, device), to_device(blocks, device)), loss_cfg)
+    engine.backward(out.loss * world)
+    engine.step()
+    return out
+
+
 def train_worker(config: dict[str, Any]) -> None:
     """Train one drafter (``config["job"]``, a :class:`training.job.TrainJob`) on its cache; the
     Ray Train entry point.
@@ -299,8 +341,7 @@ def train_worker(config: dict[str, Any]) -> None:
     if not job.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_num_threads(_assigned_cpus())
-    from training.blocks import collate_samples
-    from training.data import Prefetcher, rank_order
+    from training.data import Prefetcher, module_device, rank_order
     from training.stream import ConsumedLog, StreamFeed, max_ahead_bytes
     from training.validation import validate
 
@@ -329,26 +370,26 @@ def train_worker(config: dict[str, Any]) -> None:
     bar = _progress(total, pos.step, name) if rank == 0 else None
     t_step, tokens, waited, last = time.perf_counter(), 0, 0.0, None
     timeline: list = []  # (produced_at, consumed_at, bytes) of every streamed row
+    pin = module_device(engine.module).type == "cuda"
 
     while pos.step < total and pos.epoch < job.epochs:
         order = rank_order(split, seed=job.seed, epoch=pos.epoch, rank=rank, world=world)
         if data.streams(pos.epoch):
             feed = StreamFeed(data.rows, order, job.micro_batch_samples, pos.micro, micro_per_epoch[pos.epoch],
                               pos.epoch, timeline)
+            batches = ((samples, host_batch(samples, pin)) for samples in feed)
         else:
             if data.reader is None:  # hybrid, resumed after epoch 0: the driver completed the cache
                 data.drain()
-            feed = Prefetcher(data.reader, order, job.micro_batch_samples, pos.micro, micro_per_epoch[pos.epoch])
+            feed = Prefetcher(data.reader, order, job.micro_batch_samples, pos.micro, micro_per_epoch[pos.epoch],
+                              collate=functools.partial(host_batch, pin=pin))  # collated (pinned) in its thread
+            batches = feed
         waited = feed.wait_seconds
-        for samples in feed:
-            batch = collate_samples(samples)
+        for samples, batch in batches:
             consumed.add(samples)
             gen = torch.Generator().manual_seed(hash((job.seed, pos.epoch, pos.micro, rank)) % 2**63)
-            blocks = engine.module.make_blocks(batch, gen)
-            out = engine.module.loss(engine(batch, blocks), loss_cfg)
-            engine.backward(out.loss * world)  # the engine averages gradients over ranks
-            engine.step()
-            tokens += int(batch.lengths.sum())
+            out = micro_step(engine, batch, gen, loss_cfg, world)
+            tokens += int(batch.lengths.sum())  # the CPU batch: no device sync
             pos.micro += 1
             if pos.micro % accumulation:
                 continue

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from training.blocks import collate_samples
-from training.data import ShardSplit, as_mapping
+from training.data import ShardSplit, as_mapping, module_device, to_device
 from training.losses import LossConfig, metrics_from_stats
 
 __all__ = ["validation_batches", "validate", "curve_summary", "plot_curves"]
@@ -49,9 +49,13 @@ def validate(model, reader, batches: Sequence[Sequence[int]], loss_cfg: LossConf
              ) -> dict[str, Any]:
     """Teacher-forced held-out metrics of ``model`` over ``batches`` (this rank takes ``rank::world``).
 
+    Each batch is collated and its blocks drawn on the CPU (a CPU generator: the same anchors on
+    every device), then both are moved to the model's device (:func:`training.data.to_device`; a
+    no-op on a CPU model) before the forward.
+
     Args:
-        model: a :class:`training.drafter.Drafter` (or the module an engine wraps); its training
-            mode is restored afterwards.
+        model: a :class:`training.drafter.Drafter` (or the module an engine wraps), on any device;
+            its training mode is restored afterwards.
         reader: the cache reader. batches: from :func:`validation_batches`. loss_cfg: loss weights.
     Returns:
         ``{"tau_expected", "acceptance_per_position" (list, one per slot), "ce", "tv", "loss",
@@ -63,11 +67,12 @@ def validate(model, reader, batches: Sequence[Sequence[int]], loss_cfg: LossConf
         raise ValueError("no validation batch: set train.validation_shards >= 1 with enough samples")
     was_training = model.training
     model.eval()
+    device = module_device(model)
     total = None
     for i in range(rank, len(batches), world):
         batch = collate_samples([as_mapping(reader.sample(j)) for j in batches[i]])
         blocks = model.make_blocks(batch, torch.Generator().manual_seed(VALIDATION_SEED * 1_000_003 + i))
-        out = model.loss(model(batch, blocks), loss_cfg, reduce=False)
+        out = model.loss(model(to_device(batch, device), to_device(blocks, device)), loss_cfg, reduce=False)
         total = out.stats if total is None else total + out.stats
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)
