@@ -7,7 +7,7 @@ export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/dspark-torch-extensions
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-cluster test test-fast test-vllm test-compat bench clean clean-runs
+.PHONY: install demo demo-cluster test test-fast test-vllm test-compat bench clean clean-runs check-gpu-install
 
 # One pip command installs everything (torch pinned to the CPU build on the same line; a later,
 # separate moto install would break the s3fs/botocore pin). constraints.txt is the resolved set
@@ -92,6 +92,12 @@ test-compat: install $(SPECULATORS_VENV)/.installed-stamp $(DFLASH_VENV)/.instal
 	$(SPECFORGE_VENV)/bin/python tests/compat/check_specforge.py $(COMPAT_OUT)
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python tests/compat/check_vllm.py $(COMPAT_OUT)
 	$(PY) tests/compat/table.py $(COMPAT_OUT)
+
+# The GPU install (pip install -c constraints-gpu.txt -e '.[gpu]': CUDA torch + vLLM + the pipeline)
+# resolved again against PyPI as a dry run in a throwaway venv, from the wheels' metadata: needs the
+# network, no GPU, about a minute; prints the tested versions (docs/cluster.md).
+check-gpu-install:
+	python3 tests/check_gpu_install.py
 
 bench: install
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
