@@ -149,6 +149,15 @@ def tiny_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def local_target(tmp_path_factory, tiny_qwen3) -> str:
+    """A target folder holding only the tiny Qwen3's config.json: enough for dry runs (layer ids are
+    checked on it), not for a forward pass."""
+    d = tmp_path_factory.mktemp("config_only_target")
+    tiny_qwen3.config.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory, tiny_qwen3, tiny_tokenizer) -> str:
     """A local target folder (random tiny Qwen3 + tokenizer), loadable with local_files_only."""
     d = tmp_path_factory.mktemp("tiny_target")

@@ -1,8 +1,4 @@
 """CLI: positional YAML rewriting, overrides, Hydra flags and -m, one-line config errors, fail-fast target."""
-import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -11,31 +7,8 @@ import pytest
 from pipeline.config import Stage, to_run_config
 from pipeline.errors import ConfigError
 from pipeline.run import DEFAULT_CONFIG, load_config, rewrite_argv
+from clirun import REPO, plans, run_cli
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
-
-
-def _cli(*args, cwd=REPO, timeout=60):
-    return subprocess.run([sys.executable, "-m", "pipeline.run", *args], cwd=cwd, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def _plans(stdout: str) -> list[dict]:
-    """The JSON plans a dry run prints (Hydra may log lines around them)."""
-    dec, out, i = json.JSONDecoder(), [], stdout.find("{")
-    while i >= 0:
-        obj, end = dec.raw_decode(stdout, i)
-        out.append(obj)
-        i = stdout.find("{", end)
-    return out
-
-
-@pytest.fixture(scope="module")
-def local_target(tmp_path_factory, tiny_qwen3):
-    d = tmp_path_factory.mktemp("target")
-    tiny_qwen3.config.save_pretrained(d)
-    return str(d)
 
 
 def test_rewrite_positional_yaml():
@@ -98,14 +71,14 @@ def test_bad_config_is_one_line(override, msg):
 
 
 def test_cli_one_line_error_exit_2():
-    r = _cli("conf/tiny.yaml", "train.lrr=3")
+    r = run_cli("conf/tiny.yaml", "train.lrr=3")
     assert r.returncode == 2
     assert r.stderr.strip() == "error: config error: train.lrr: Key 'lrr' not in 'TrainConfig'"
 
 
 def test_qwen3_4b_offline_fails_fast_without_traceback():
     t0 = time.time()
-    r = _cli("+stage=cache", "conf/qwen3_4b.yaml")
+    r = run_cli("+stage=cache", "conf/qwen3_4b.yaml")
     assert time.time() - t0 < 30
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
@@ -116,30 +89,30 @@ def test_qwen3_4b_offline_fails_fast_without_traceback():
 
 def test_cli_matches_compose_loader_and_hydra_flags(local_target, tmp_path, monkeypatch):
     args = ["+stage=all", "conf/tiny.yaml", f"target.path={local_target}", "train.lr=0.5", "dry_run=true"]
-    r = _cli(*args, cwd=tmp_path)  # any working directory; the YAML path is absolute after rewriting
+    r = run_cli(*args, cwd=tmp_path)  # any working directory; the YAML path is absolute after rewriting
     assert r.returncode == 2 and "no such file" in r.stderr  # relative to cwd, as a user expects
-    r = _cli(*[a if a != "conf/tiny.yaml" else str(DEFAULT_CONFIG) for a in args], cwd=tmp_path)
+    r = run_cli(*[a if a != "conf/tiny.yaml" else str(DEFAULT_CONFIG) for a in args], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    [plan] = _plans(r.stdout)
+    [plan] = plans(r.stdout)
     monkeypatch.chdir(tmp_path)  # run_dir runs/tiny is relative to the directory of the command
     via_loader = load_config(DEFAULT_CONFIG, ["+stage=all", f"target.path={local_target}", "train.lr=0.5",
                                               "dry_run=true"])
     assert to_run_config(plan["config"]) == via_loader
     assert not (tmp_path / "outputs").exists() and not (tmp_path / ".hydra").exists()
-    r = _cli("conf/tiny.yaml", "--cfg", "job", "train.lr=0.25")  # a plain Hydra flag still works
+    r = run_cli("conf/tiny.yaml", "--cfg", "job", "train.lr=0.25")  # a plain Hydra flag still works
     assert r.returncode == 0 and "lr: 0.25" in r.stdout
 
 
 def test_cli_multirun(local_target, tmp_path):
-    r = _cli("-m", str(DEFAULT_CONFIG), f"target.path={local_target}", "dry_run=true", "train.lr=0.1,0.2",
+    r = run_cli("-m", str(DEFAULT_CONFIG), f"target.path={local_target}", "dry_run=true", "train.lr=0.1,0.2",
              f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert [p["config"]["train"]["lr"] for p in _plans(r.stdout)] == [0.1, 0.2]
+    assert [p["config"]["train"]["lr"] for p in plans(r.stdout)] == [0.1, 0.2]
 
 
 def test_dry_run_refuses_layer_ids_the_target_lacks(local_target):
     """A 4-layer target has features at layers -1..2: [0, 3] is refused in a dry run, naming the key."""
-    r = _cli("+stage=train", str(DEFAULT_CONFIG), f"target.path={local_target}", "target.target_layer_ids=[0,3]",
+    r = run_cli("+stage=train", str(DEFAULT_CONFIG), f"target.path={local_target}", "target.target_layer_ids=[0,3]",
              "dry_run=true")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: config error: target.target_layer_ids: [0, 3] must lie in [-1, 2]"), r.stderr

@@ -2,10 +2,6 @@
 the config as pipeline.run does, estimate before generate, target download hints, input files checked
 up front, a useful --help, one dtype spelling with aliases."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,38 +10,14 @@ from pipeline.config import to_dict
 from pipeline.errors import ConfigError, TargetNotFoundError
 from pipeline.run import DEFAULT_CONFIG, load_config, rewrite_argv
 from pipeline.target_model.loader import resolve_target_path
+from clirun import REPO, plans, run_cli
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", "DS_ACCELERATOR": "cpu",
-       "TOKENIZERS_PARALLELISM": "false"}
-
-
-def _cli(*args, cwd=REPO, timeout=60):
-    return subprocess.run([sys.executable, "-m", "pipeline.run", *map(str, args)], cwd=cwd, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def _plans(stdout: str) -> list[dict]:
-    dec, out, i = json.JSONDecoder(), [], stdout.find("{")
-    while i >= 0:
-        obj, end = dec.raw_decode(stdout, i)
-        out.append(obj)
-        i = stdout.find("{", end)
-    return out
-
-
-@pytest.fixture(scope="module")
-def local_target(tmp_path_factory, tiny_qwen3):
-    """A target folder with only config.json: enough for dry runs (layer ids are checked on it)."""
-    d = tmp_path_factory.mktemp("target")
-    tiny_qwen3.config.save_pretrained(d)
-    return str(d)
 
 
 # ---- 1. Hydra flags before or after the YAML and the overrides -----------------------------------
 
 def test_hydra_flag_after_overrides_prints_the_config():
-    r = _cli("+stage=all", "conf/tiny.yaml", "train.epochs=3", "--cfg", "job")
+    r = run_cli("+stage=all", "conf/tiny.yaml", "train.epochs=3", "--cfg", "job")
     assert r.returncode == 0, r.stderr
     assert "epochs: 3" in r.stdout and "stage: all" in r.stdout
 
@@ -65,9 +37,9 @@ def test_rewrite_puts_flags_with_their_values_before_every_override():
 # ---- 2. sweeps write under runs/, never a multirun/ folder where the command ran ----------------
 
 def test_sweep_leaves_no_multirun_folder(local_target, tmp_path):
-    r = _cli("-m", DEFAULT_CONFIG, f"target.path={local_target}", "dry_run=true", "train.lr=1e-3,2e-3", cwd=tmp_path)
+    r = run_cli("-m", DEFAULT_CONFIG, f"target.path={local_target}", "dry_run=true", "train.lr=1e-3,2e-3", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert [p["config"]["train"]["lr"] for p in _plans(r.stdout)] == [1e-3, 2e-3]
+    assert [p["config"]["train"]["lr"] for p in plans(r.stdout)] == [1e-3, 2e-3]
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
     assert list((tmp_path / "runs" / "multirun").glob("*/multirun.yaml"))
     assert "multirun/" in (REPO / ".gitignore").read_text().split()
@@ -132,7 +104,7 @@ def test_missing_local_target_says_the_folder_is_missing(tmp_path):
 # ---- 6. input files are checked before any stage (dry runs too), for the stages that read them ---
 
 def test_dry_run_refuses_a_missing_train_file(local_target, tmp_path):
-    r = _cli("+stage=all", DEFAULT_CONFIG, f"target.path={local_target}", "dry_run=true",
+    r = run_cli("+stage=all", DEFAULT_CONFIG, f"target.path={local_target}", "dry_run=true",
              "data.train_files=[missing.jsonl]", cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == (f"error: config error: data.train_files: {tmp_path}/missing.jsonl does not exist; "
@@ -166,7 +138,7 @@ def test_each_stage_checks_only_the_files_it_reads(tmp_path):
 
 def test_help_names_the_stages_configs_and_keys():
     for args in (["--help"], ["conf/tiny.yaml", "train.lr=1", "-h"]):
-        r = _cli(*args)
+        r = run_cli(*args)
         assert r.returncode == 0, r.stderr
         assert "Configuration groups" not in r.stdout and r.stdout.startswith("usage: python -m pipeline.run")
         for word in ("generate", "cache", "train", "calibrate", "export", "evaluate", "conf/tiny.yaml",
