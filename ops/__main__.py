@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cursor", help="local progress file (default ~/.cache/dspark/verify/<url hash>.jsonl)")
     p.add_argument("--restart", action="store_true",
                    help="ignore saved progress and re-read every shard (a finished verify's cursor is kept: "
-                        "the next verify checks only shards committed or rewritten since)")
+                        "the next verify reads only shards committed or rewritten since and re-lists the "
+                        "others against the cursor's listing)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = command("sample", "one sample: text with the supervised span marked, norms, target top tokens")
     p.add_argument("index", nargs="?", type=int, help="global sample index")

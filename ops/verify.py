@@ -10,14 +10,25 @@ Each problem is ``{shard, sample, sample_id, check, detail}`` (``sample`` = posi
 None for whole-shard problems). Arrays are streamed in blocks of about 64 MiB, so memory stays
 bounded by the worker count, not by the shard size.
 
-The cursor is a local JSON-lines file: a header line (URL, fingerprint digest), then one line per
-finished shard with its problems, sample ids and provenance (so uniqueness is still checked
-across shards without re-reading finished ones) and the SHA-256 of its commit record (a shard
-rewritten since is verified again). Each line is appended and fsynced when its shard finishes;
-on load a torn last line is dropped and the file is rewritten whole (temp file + rename).
-A verify that completes keeps its cursor: the next one verifies only shards committed or rewritten
-since (reading just the commit records of the others), so a growing cache is checked
-incrementally; ``--restart`` re-reads every shard (e.g. to find objects damaged after their check).
+The cursor is a local JSON-lines file: a header line (cursor version, URL, fingerprint digest), then
+one line per finished shard with its problems, sample ids and provenance (so uniqueness is still
+checked across shards without re-reading finished ones), the SHA-256 of its commit record (a shard
+rewritten since is verified again) and ``objects``, the listing of its group taken before its content
+was read: ``{path in the group: [size in bytes, change token]}`` (the token is the backend's: the S3
+ETag, GCS generation, or local ``mtime/ctime/inode``; see :func:`change_token`), or null for a shard
+whose commit record is unreadable. Each line is appended and fsynced when its shard finishes; on
+load a torn last line is dropped and the file is rewritten whole (temp file + rename).
+
+A verify that completes keeps its cursor. The next one reads in full only the shards committed or
+rewritten since, and re-lists every other shard (one listing per shard, no per-object request):
+a shard whose objects are all there with the same sizes and tokens keeps its cursor verdict; any
+object missing, added, resized or replaced makes that shard read again in full now, so it is
+reported with the usual checks (``missing_object``, ``truncated_object``, ``extra_object``,
+``checksum``, ...), plus ``changed_object`` for each same-size object replaced since the cursor
+when the re-read finds the shard damaged (a replaced object whose bytes still verify is no problem).
+Cursor entries without a listing (cursor version 1) are read once again, which records it.
+``--restart`` re-reads every shard (damage that keeps an object's size and token, e.g. bit rot
+under the same local mtime, is found only by a re-read).
 """
 from __future__ import annotations
 
@@ -37,12 +48,15 @@ from cache_schema import (CacheError, CacheRoot, CorruptRecordError, Fingerprint
 from cache_schema.layout import (ATTR_CONTENT_HASHES, ATTR_ENCODING, ATTR_SAMPLE_IDS, BF16_BITS,
                                  FEATURE_SCALE, FEATURES, FP8_E4M3_BITS, LAST_HIDDEN,
                                  LOSS_MASK, OFFSETS, ROW, SOURCE, SUP_OFFSETS, array_specs, bits_to_bf16,
-                                 commit_key)
-from ops.common import open_group, open_root
+                                 commit_key, shard_group_key)
+from ops.common import group_objects, open_group, open_root
 from ops.report import preview, table
 
 BLOCK_BYTES = 64 * 2**20
-CURSOR_VERSION = 1
+CURSOR_VERSION = 2
+READABLE_CURSOR_VERSIONS = (1, 2)  # version 1 entries carry no object listing: such shards are read again
+TOKEN_KEYS = ("ETag", "etag", "generation", "md5Hash")  # S3 / Azure, GCS: changes when an object is replaced
+LOCAL_TOKEN_KEYS = ("mtime", "created", "ino")  # local files (``created`` is st_ctime): rewrite or rename
 READ_ERRORS = (FileNotFoundError, KeyError, ValueError, IndexError, TypeError, RuntimeError, CacheError)
 
 
@@ -168,6 +182,45 @@ def content_problems(shard: int, members: dict[str, Any], record: ShardRecord, i
     return out, nbytes
 
 
+# ---- object listings (the cheap re-check of shards verified before) -----------------------------
+
+def change_token(info: dict[str, Any]) -> str:
+    """What in an fsspec ``info`` entry changes when the object is replaced: the ETag (s3fs, Azure) or
+    generation / MD5 (GCS); else ``mtime/ctime/inode`` (local files: a rewrite moves mtime and ctime,
+    a rename-over moves the inode; ctime cannot be set back by a copy that keeps mtime). "" when the
+    backend gives none of these (then only sizes are compared)."""
+    for key in TOKEN_KEYS:
+        if info.get(key) not in (None, ""):
+            return str(info[key]).strip('"')
+    return "/".join(repr(info[k]) for k in LOCAL_TOKEN_KEYS if info.get(k) is not None)
+
+
+def shard_listing(root: CacheRoot, shard_index: int) -> dict[str, list[Any]]:
+    """``{path in the group: [size, change token]}`` of every object now under the shard group (one
+    fresh listing: one LIST request per 1,000 objects on S3)."""
+    group = f"{root.path}/{shard_group_key(shard_index)}"
+    return {name[len(group) + 1:]: [int(info["size"]), change_token(info)]
+            for name, info in sorted(group_objects(root, shard_index).items())}
+
+
+def listing_changes(before: dict[str, list[Any]], now: dict[str, list[Any]]) -> dict[str, list[str]]:
+    """Objects of a shard's group that differ from the listing recorded in the cursor: ``{"missing",
+    "added", "resized", "replaced" (same size, another token): [paths]}``, only the non-empty kinds
+    ({} = unchanged)."""
+    out = {"missing": sorted(set(before) - set(now)), "added": sorted(set(now) - set(before)),
+           "resized": sorted(k for k in set(before) & set(now) if before[k][0] != now[k][0]),
+           "replaced": sorted(k for k in set(before) & set(now)
+                              if before[k][0] == now[k][0] and before[k][1] != now[k][1])}
+    return {kind: keys for kind, keys in out.items() if keys}
+
+
+def changed_object_problems(shard: int, changes: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """One ``changed_object`` problem per object replaced (same size, another change token) since the
+    cursor's listing of the shard (missing and resized objects are reported against the commit record)."""
+    return [problem(shard, "changed_object", f"object {key} was replaced since verify last read the shard "
+                                             "(same size, another ETag/mtime)") for key in changes.get("replaced", [])]
+
+
 # ---- one shard --------------------------------------------------------------------------------
 
 def verify_shard(root: CacheRoot, shard_index: int) -> dict[str, Any]:
@@ -175,12 +228,13 @@ def verify_shard(root: CacheRoot, shard_index: int) -> dict[str, Any]:
 
     Returns:
         {shard, record_sha256, problems, ids, provenance [[source, row], ...], samples, tokens,
-        bytes (read)}. Damage is reported in ``problems``, never raised.
+        bytes (read), objects (:func:`shard_listing` taken before any content read; None when the
+        commit record is unreadable)}. Damage is reported in ``problems``, never raised.
     Raises:
         OSError and storage errors other than a missing object (e.g. the network), unchanged.
     """
     result: dict[str, Any] = {"shard": shard_index, "record_sha256": None, "problems": [], "ids": [],
-                              "provenance": [], "samples": 0, "tokens": 0, "bytes": 0}
+                              "provenance": [], "samples": 0, "tokens": 0, "bytes": 0, "objects": None}
     try:
         text = root.fs.cat_file(f"{root.path}/{commit_key(shard_index)}")
         result["record_sha256"] = hashlib.sha256(text).hexdigest()
@@ -189,7 +243,8 @@ def verify_shard(root: CacheRoot, shard_index: int) -> dict[str, Any]:
         result["problems"].append(problem(shard_index, "record", str(exc)))
         return result
     result.update(samples=record.num_samples, tokens=record.num_tokens)
-    problems = object_problems(shard_index, record.object_bytes, root.shard_objects(shard_index))
+    listing = result["objects"] = shard_listing(root, shard_index)  # what the next verify re-lists against
+    problems = object_problems(shard_index, record.object_bytes, {k: v[0] for k, v in listing.items()})
     damaged = bool(problems)
     try:
         group = open_group(root, shard_index)
@@ -256,7 +311,9 @@ def duplicate_problems(results: dict[int, dict[str, Any]]) -> list[dict[str, Any
 
 def load_cursor(path: Path, header: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """Finished shards recorded in ``path`` for this ``header`` (URL + fingerprint); empty when the
-    file is absent or belongs to another cache. Unparseable lines (a torn last write) are dropped."""
+    file is absent or belongs to another cache. Unparseable lines (a torn last write) are dropped.
+    A cursor of an older readable version (:data:`READABLE_CURSOR_VERSIONS`) loads too: its entries
+    lack ``objects``, so :func:`verify` reads those shards again."""
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
@@ -267,7 +324,9 @@ def load_cursor(path: Path, header: dict[str, Any]) -> dict[int, dict[str, Any]]
             parsed.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-    if not parsed or parsed[0] != header:
+    head = parsed[0] if parsed and isinstance(parsed[0], dict) else {}
+    same_cache = {**head, "cursor_version": header["cursor_version"]} == header  # URL and fingerprint
+    if head.get("cursor_version") not in READABLE_CURSOR_VERSIONS or not same_cache:
         return {}
     return {entry["shard"]: entry for entry in parsed[1:] if isinstance(entry, dict) and "shard" in entry}
 
@@ -295,12 +354,21 @@ def verify(url: str, *, workers: int = 4, cursor: str | None = None, restart: bo
            progress: bool = True) -> tuple[dict[str, Any], int]:
     """Verify every committed shard; resume from the cursor unless ``restart``.
 
+    Shards committed or rewritten since the cursor (or absent from it, or recorded there without an
+    object listing) are read in full. Every other shard is re-listed (:func:`shard_listing`) and
+    compared with the listing the cursor holds: unchanged, it keeps the cursor's verdict; changed
+    (an object missing, added, resized or replaced), it is read in full now.
+
     Args:
-        workers: threads verifying shards at once (>= 1).
+        workers: threads verifying (and re-listing) shards at once (>= 1).
         cursor: cursor file path (default :func:`default_cursor`); restart: ignore and rewrite it.
         progress: show a progress bar (on a terminal).
     Returns:
-        (report, 1 when problems were found else 0). The report lists problems by shard.
+        (report, 1 when problems were found else 0). The report lists problems by shard;
+        ``verified_now``: shards read in full now; ``resumed``: shards whose cursor verdict was kept
+        (their listing matched the cursor's, or their commit record is unreadable and unchanged);
+        ``relisted``: shards listed against the cursor this run; ``changed_since_cursor``: those whose
+        listing differed (read now, counted in ``verified_now``).
     Raises:
         UsageError: workers < 1, or the cursor cannot be written.
         VerifyInterrupted: Ctrl-C; rerunning continues from the cursor.
@@ -317,42 +385,75 @@ def verify(url: str, *, workers: int = 4, cursor: str | None = None, restart: bo
     path = Path(cursor).expanduser() if cursor else default_cursor(root.url)
     header = {"cursor_version": CURSOR_VERSION, "url": root.url, "fingerprint_sha256": root.fingerprint.digest()}
     done = {} if restart else load_cursor(path, header)
-    done = {i: e for i, e in done.items() if e.get("record_sha256") == digests.get(i)}
+    # an entry without a listing (cursor version 1) is read again, which records its listing
+    done = {i: e for i, e in done.items() if e.get("record_sha256") == digests.get(i) and "objects" in e}
     try:
         write_cursor(path, header, [done[i] for i in sorted(done)])
     except OSError as exc:
         raise UsageError(f"cannot write the verify cursor {path} ({exc}); pass --cursor PATH") from None
-    resumed, pending = len(done), [i for i in shards if i not in done]
-    nbytes, found = 0, sum(len(e["problems"]) for e in done.values())
-    with tqdm(total=len(shards), initial=resumed, unit="shard", desc="verify",
-              disable=None if progress else True) as bar, path.open("a") as log, \
+    changes: dict[int, dict[str, list[str]]] = {}
+    nbytes, finished = 0, 0  # finished: shards whose verdict is settled in this run
+    with tqdm(total=len(shards), unit="shard", desc="verify", disable=None if progress else True) as bar, \
             ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(verify_shard, root, i) for i in pending]
-        try:
-            for future in as_completed(futures):
-                entry = future.result()
-                log.write(json.dumps(entry) + "\n")
-                log.flush()
-                os.fsync(log.fileno())
-                done[entry["shard"]] = entry
-                nbytes, found = nbytes + entry["bytes"], found + len(entry["problems"])
-                bar.update(1)
-                bar.set_postfix(problems=found)
-        except KeyboardInterrupt:
+        def interrupted() -> VerifyInterrupted:
             pool.shutdown(wait=False, cancel_futures=True)
-            raise VerifyInterrupted(f"interrupted after {len(done):,} of {len(shards):,} shards; rerun the "
-                                    f"same command to continue (progress in {path}), or pass --restart") from None
+            return VerifyInterrupted(f"interrupted after {finished:,} of {len(shards):,} shards; rerun the same "
+                                     f"command to continue (progress in {path}), or pass --restart")
+
+        # 1. re-list the shards the cursor holds: one listing each, no content read
+        listed = {pool.submit(shard_listing, root, i): i for i in sorted(done) if done[i]["objects"] is not None}
+        finished = len(done) - len(listed)  # unreadable records: their verdict follows the record's digest
+        bar.update(finished)
+        try:
+            for future in as_completed(listed):
+                i = listed[future]
+                changed = listing_changes(done[i]["objects"], future.result())
+                if changed:
+                    changes[i] = changed
+                else:
+                    finished += 1
+                    bar.update(1)
+        except KeyboardInterrupt:
+            raise interrupted() from None
+        if changes:  # read again below; dropped first, so an interrupted run reads them again too
+            done = {i: e for i, e in done.items() if i not in changes}
+            write_cursor(path, header, [done[i] for i in sorted(done)])
+        resumed, pending = len(done), [i for i in shards if i not in done]
+        found = sum(len(e["problems"]) for e in done.values())
+        bar.set_postfix(problems=found)
+        # 2. read in full the new, rewritten and changed shards
+        with path.open("a") as log:
+            futures = [pool.submit(verify_shard, root, i) for i in pending]
+            try:
+                for future in as_completed(futures):
+                    entry = future.result()
+                    if entry["problems"] and entry["shard"] in changes:  # name what was replaced
+                        entry["problems"] += changed_object_problems(entry["shard"], changes[entry["shard"]])
+                    log.write(json.dumps(entry) + "\n")
+                    log.flush()
+                    os.fsync(log.fileno())
+                    done[entry["shard"]] = entry
+                    nbytes, found = nbytes + entry["bytes"], found + len(entry["problems"])
+                    finished += 1
+                    bar.update(1)
+                    bar.set_postfix(problems=found)
+            except KeyboardInterrupt:
+                raise interrupted() from None
     problems = [p for i in sorted(done) for p in done[i]["problems"]] + duplicate_problems(done)
     bad = sorted({p["shard"] for p in problems})
     return {"url": root.url, "shards": len(shards), "verified_now": len(pending), "resumed": resumed,
+            "relisted": len(listed), "changed_since_cursor": sorted(changes),
             "samples": sum(e["samples"] for e in done.values()), "bytes_read_now": nbytes,
             "shards_with_problems": bad, "problems": problems, "ok": not problems}, int(bool(problems))
 
 
 def render_verify(p: dict[str, Any]) -> str:
     """Human view of :func:`verify`."""
-    head = (f"verified {p['shards']:,} shards ({p['verified_now']:,} now, {p['resumed']:,} from the cursor), "
-            f"{p['samples']:,} samples")
+    changed = p.get("changed_since_cursor", [])
+    note = (f"; shard{'s' if len(changed) != 1 else ''} {preview(changed)} read again: "
+            f"{'their' if len(changed) != 1 else 'its'} objects changed since the cursor") if changed else ""
+    head = (f"verified {p['shards']:,} shards ({p['verified_now']:,} read now, {p['resumed']:,} re-listed "
+            f"against the cursor{note}), {p['samples']:,} samples")
     if p["ok"]:
         return f"{head}: no problems"
     return "\n".join([table(p["problems"], ["shard", "sample", "sample_id", "check", "detail"]),

@@ -60,7 +60,7 @@ def test_verify_reports_each_kind_of_damage_with_its_shard_and_sample(s3_url, tm
     assert "10 problems in shards 0, 1, 2, 3, 4" in capsys.readouterr().out
 
 
-def test_interrupted_verify_resumes_without_rereading_finished_shards(s3_url, tmp_path, capsys, monkeypatch):
+def test_interrupted_verify_resumes_and_relists_finished_shards(s3_url, tmp_path, capsys, monkeypatch):
     root = build(s3_url, {i: [make_sample(i, 12)] for i in range(5)})
     cursor, calls, real = tmp_path / "cursor.jsonl", [], ops.verify.verify_shard
 
@@ -76,15 +76,16 @@ def test_interrupted_verify_resumes_without_rereading_finished_shards(s3_url, tm
     saved = [json.loads(line) for line in cursor.read_text().splitlines()]
     assert saved[0]["url"] == root.url and [e["shard"] for e in saved[1:]] == [0, 1]
     assert saved[1]["ids"] == ["0-0"] and saved[1]["provenance"] == [[0, 0]]
-    # damage a finished shard: the resumed verify must not read it again, so it cannot see this
+    # damage a finished shard: the resumed verify re-lists it, sees the change and reads it again
     root.fs.rm(_object(root, 0, "input_ids/c/"))
     calls.clear()
     monkeypatch.setattr(ops.verify, "verify_shard", lambda r, i: calls.append(i) or real(r, i))
     code, p = run(capsys, "verify", s3_url, "--cursor", cursor, "--workers", "1")
-    assert code == 0 and sorted(calls) == [2, 3, 4] and (p["resumed"], p["verified_now"], p["samples"]) == (2, 3, 5)
-    calls.clear()  # a completed verify keeps its cursor: the next one reads no finished shard again
+    assert code == 1 and sorted(calls) == [0, 2, 3, 4] and (p["resumed"], p["verified_now"], p["samples"]) == (1, 4, 5)
+    assert _found(p["problems"]) == [(0, "missing_object", -1)] and p["changed_since_cursor"] == [0]
+    calls.clear()  # a completed verify keeps its cursor: the next one only re-lists the finished shards
     code, p = run(capsys, "verify", s3_url, "--cursor", cursor)
-    assert code == 0 and calls == [] and (p["resumed"], p["verified_now"]) == (5, 0)
+    assert code == 1 and calls == [] and (p["resumed"], p["verified_now"]) == (5, 0)
     code, p = run(capsys, "verify", s3_url, "--cursor", cursor, "--restart")  # re-reads all: finds the damage
     assert code == 1 and _found(p["problems"]) == [(0, "missing_object", -1)]
     # --restart ignores saved progress
