@@ -51,6 +51,7 @@ from cache_schema.layout import (ATTR_CONTENT_HASHES, ATTR_ENCODING, ATTR_SAMPLE
                                  commit_key, shard_group_key)
 from ops.common import group_objects, open_group, open_root
 from ops.report import preview, table
+from storage import local_home
 
 BLOCK_BYTES = 64 * 2**20
 CURSOR_VERSION = 2
@@ -71,8 +72,9 @@ def problem(shard: int, check: str, detail: str, sample: int | None = None,
 
 
 def default_cursor(url: str) -> Path:
-    """Default cursor file of a cache URL: ``~/.cache/dspark/verify/<sha256(url)[:16]>.jsonl``."""
-    return Path.home() / ".cache" / "dspark" / "verify" / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}.jsonl"
+    """Default cursor file of a cache URL: ``<local home>/verify/<sha256(url)[:16]>.jsonl``, the local home
+    being ``$DSPARK_HOME`` or ``~/.cache/dspark`` (:func:`storage.local_home`)."""
+    return local_home() / "verify" / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}.jsonl"
 
 
 # ---- per-shard checks (pure functions over what was read) -------------------------------------

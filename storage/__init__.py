@@ -27,7 +27,9 @@ S3 error (``cache_schema.errors.storage_call``); the CLIs print it as one ``erro
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -46,6 +48,12 @@ class RetryPolicy:
     body_attempts: int = 3  # s3fs: tries of a call whose response body broke off mid-read
     connect_timeout_s: float = 10.0  # per attempt
     read_timeout_s: float = 60.0  # per attempt: a response silent this long is retried
+
+
+def local_home() -> Path:
+    """The product's local state on this machine (the embedded demo's build, ``ops verify`` cursors):
+    ``$DSPARK_HOME`` if set, else ``~/.cache/dspark``."""
+    return Path(os.environ.get("DSPARK_HOME") or Path.home() / ".cache" / "dspark")
 
 
 def s3_options(policy: RetryPolicy) -> dict[str, Any]:

@@ -11,7 +11,8 @@ A fenced block is runnable when its info string holds the word ``runnable``:
 
 Each page runs in its own workspace: ``conf/`` (the repository's), ``target/`` (the tiny random-weight
 Qwen3 of the ``tiny_target_dir`` fixture) and ``cases/`` (``tests/fixtures/cases``), with this
-environment's ``python`` and ``ops`` first on PATH.
+environment's ``python`` and ``ops`` first on PATH and ``DSPARK_HOME`` inside it (so a page's verify
+cursors and embedded build are its own).
 """
 from __future__ import annotations
 
@@ -199,7 +200,8 @@ def workspace(tmp_path, tiny_target_dir):
 
 def _run(command: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", COLUMNS="200")
+               PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", COLUMNS="200",
+               DSPARK_HOME=str(cwd / ".dspark"))  # the page's own verify cursors and embedded build
     return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 

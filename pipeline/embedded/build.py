@@ -36,6 +36,7 @@ from pipeline.embedded.stdlib_chats import build_stdlib_chats, read_stdlib, spli
 from pipeline.embedded.target import (TargetSpec, chat_eval_batch, evaluate, new_model,
                                       pack_windows, render_training_chat, train)
 from pipeline.embedded.tokenizer import build_tokenizer
+from storage import local_home
 
 VERSION = "v1"
 URLS = ("embedded:tiny", "embedded:stdlib/train.jsonl", "embedded:stdlib/heldout.jsonl")
@@ -80,8 +81,8 @@ class EmbeddedSpecMismatch(RuntimeError):
 
 
 def default_home() -> Path:
-    """``$DSPARK_HOME`` if set, else ``~/.cache/dspark``."""
-    return Path(os.environ.get("DSPARK_HOME") or Path.home() / ".cache" / "dspark")
+    """``$DSPARK_HOME`` if set, else ``~/.cache/dspark`` (:func:`storage.local_home`)."""
+    return local_home()
 
 
 def _spec_json(spec: BuildSpec) -> dict:
