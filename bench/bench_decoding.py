@@ -9,6 +9,10 @@ and the block-level tau with its SE, the difference and its z-score
 (``(a - b) / sqrt(se_a^2 + se_b^2)``; the two estimates use disjoint data, so they are independent).
 
     python bench/bench_decoding.py [--run runs/tiny] [--prompts 400]
+
+One of four decoding benches, each for one question: this one tau in the decoding loop beside the
+block-level tau; bench_draft the draft time per block; bench_specdec tokens/s over plain decoding;
+bench_drafters the ablation drafters trained and compared.
 """
 from __future__ import annotations
 

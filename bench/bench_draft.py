@@ -14,6 +14,9 @@ for reference, the ratio of multiply-accumulates DSpark / DFlash.
 
 Usage: ``python bench/bench_draft.py [--preset tiny|small|qwen3-4b] [--reps N] [--device cpu|cuda]``
 (default: ``qwen3-4b`` in bf16 on CUDA, ``small`` in fp32 on CPU).
+
+One of four decoding benches, each for one question: this one the draft time per block;
+bench_decoding tau in the decoding loop; bench_specdec tokens/s over plain decoding; bench_drafters the ablations.
 """
 from __future__ import annotations
 

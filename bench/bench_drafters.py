@@ -12,6 +12,9 @@ anchors and random numbers (the fp8 drafters read the same samples from their ow
 prints tau ± SE at T=0 and T=1, the paired ratios ± SE and the per-slot acceptance.
 
     python bench/bench_drafters.py [--run runs/tiny] [--samples 256] [--skip-fp8] [--variants control ...]
+
+One of four decoding benches, each for one question: this one the ablation drafters trained and
+compared; bench_decoding tau in the decoding loop; bench_draft draft time; bench_specdec tokens/s.
 """
 from __future__ import annotations
 

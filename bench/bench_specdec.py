@@ -3,6 +3,9 @@
 Needs a run whose drafters are trained (``make demo`` writes runs/tiny):
 
     python bench/bench_specdec.py [--run-dir runs/tiny --prompts 16]
+
+One of four decoding benches, each for one question: this one tokens/s over plain decoding;
+bench_decoding tau in the decoding loop; bench_draft the draft time per block; bench_drafters the ablations.
 """
 from __future__ import annotations
 

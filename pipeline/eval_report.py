@@ -1,4 +1,8 @@
-"""Markdown tables and PNG plots of the evaluate stage's results."""
+"""Markdown tables and PNG plots of the evaluate stage's results.
+
+Why apart from the stage: the evaluate stage (:mod:`pipeline.stages.evaluate`) computes; this module only
+writes its tables and plots; :mod:`pipeline.results` composes the run's one-screen summary.
+"""
 from __future__ import annotations
 
 from typing import Any

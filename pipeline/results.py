@@ -1,4 +1,8 @@
-"""The one-screen results of a run, composed from the stages' summaries (printed after ``all``)."""
+"""The one-screen results of a run, composed from the stages' summaries (printed after ``all``).
+
+Why apart from the evaluate stage's report (:mod:`pipeline.eval_report`): this reads every stage's
+summary, not only evaluate's.
+"""
 from __future__ import annotations
 
 from typing import Any

@@ -222,3 +222,23 @@ def llama_reasoning_tokenizer():
 def tok_chatml(tiny_tokenizer):
     """The embedded target's tokenizer (ChatML template without reasoning handling)."""
     return tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def drafter_samples(tiny_qwen3):
+    """Two cache samples (T = 40, 30) of ``tiny_qwen3``, per the cache contract: bf16 features of layers
+    0 and 2, the final hidden state where the next token is supervised (from position 6 and 12)."""
+    import torch
+
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for T, sup_from in ((40, 6), (30, 12)):
+        ids = torch.randint(0, 500, (T,), generator=g)
+        with torch.no_grad():
+            hs = tiny_qwen3(ids[None], output_hidden_states=True).hidden_states
+        lm = torch.zeros(T, dtype=torch.uint8)
+        lm[sup_from:] = 1
+        out.append(dict(input_ids=ids.int(), loss_mask=lm,
+                        features=torch.cat([hs[i + 1][0] for i in (0, 2)], -1).bfloat16(),
+                        last_hidden=hs[-1][0][:-1][lm[1:].bool()].bfloat16(), sample_id=f"s-{T}"))
+    return out

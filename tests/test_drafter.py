@@ -13,21 +13,6 @@ LAYER_IDS = (0, 2)
 MASK = 511
 
 
-@pytest.fixture(scope="module")
-def samples(tiny_qwen3):
-    """Two cache samples (T = 40, 30) computed with the tiny target, per the cache contract."""
-    out = []
-    g = torch.Generator().manual_seed(0)
-    for T, sup_from in ((40, 6), (30, 12)):
-        ids = torch.randint(0, 500, (T,), generator=g)
-        with torch.no_grad():
-            hs = tiny_qwen3(ids[None], output_hidden_states=True).hidden_states
-        lm = torch.zeros(T, dtype=torch.uint8)
-        lm[sup_from:] = 1
-        out.append(dict(input_ids=ids.int(), loss_mask=lm,
-                        features=torch.cat([hs[i + 1][0] for i in LAYER_IDS], -1).bfloat16(),
-                        last_hidden=hs[-1][0][:-1][lm[1:].bool()].bfloat16()))
-    return out
 
 
 def _drafter(target, d2t=None, **kw):
@@ -71,9 +56,9 @@ def test_parameter_names_and_shapes_map_to_vllm(tiny_qwen3):
 
 
 @pytest.mark.parametrize("sample_from_anchor", [True, False])
-def test_training_forward_equals_inference_draft(tiny_qwen3, samples, sample_from_anchor):
+def test_training_forward_equals_inference_draft(tiny_qwen3, drafter_samples, sample_from_anchor):
     d = _drafter(tiny_qwen3, markov_rank=0, sample_from_anchor=sample_from_anchor).eval()
-    batch = collate_samples(samples[:1])
+    batch = collate_samples(drafter_samples[:1])
     a = 20
     slots = d(batch, _blocks(d, batch, [[a, a + 2, 9]]))
     rows = slots.block == 0
@@ -89,9 +74,9 @@ def test_training_forward_equals_inference_draft(tiny_qwen3, samples, sample_fro
     assert torch.allclose(r.confidence_logits, slots.confidence_logits[rows], atol=1e-5)
 
 
-def test_block_sees_nothing_at_or_after_its_anchor_nor_other_blocks(tiny_qwen3, samples):
+def test_block_sees_nothing_at_or_after_its_anchor_nor_other_blocks(tiny_qwen3, drafter_samples):
     d = _drafter(tiny_qwen3, head_type="rnn")
-    batch = collate_samples(samples[:1])
+    batch = collate_samples(drafter_samples[:1])
     a0 = 15
     h = d(batch, _blocks(d, batch, [[a0, a0 + 1]])).hidden
     batch.features[0, a0:] = torch.randn_like(batch.features[0, a0:])
@@ -102,8 +87,8 @@ def test_block_sees_nothing_at_or_after_its_anchor_nor_other_blocks(tiny_qwen3, 
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_attention_equals_dense_sdpa(tiny_qwen3, samples):
-    batch = collate_samples(samples)
+def test_flex_attention_equals_dense_sdpa(tiny_qwen3, drafter_samples):
+    batch = collate_samples(drafter_samples)
     sdpa, flex = _drafter(tiny_qwen3, attention="sdpa"), _drafter(tiny_qwen3, attention="flex")
     blocks = sdpa.make_blocks(batch, torch.Generator().manual_seed(0))
     with torch.no_grad():  # flex attention has no backward on CPU (eager, unfused)
@@ -112,12 +97,12 @@ def test_flex_attention_equals_dense_sdpa(tiny_qwen3, samples):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_compiled_flex_training_step_equals_sdpa_on_gpu(tiny_qwen3, samples):
+def test_compiled_flex_training_step_equals_sdpa_on_gpu(tiny_qwen3, drafter_samples):
     """flex on CUDA against the sdpa reference on the CPU (sdpa with a mask is refused on CUDA:
     ``training.drafter.resolve_attention``); the same blocks, drawn on the CPU, for both."""
     from training.data import to_device
 
-    batch = collate_samples(samples)
+    batch = collate_samples(drafter_samples)
     grads = []
     for attention, device in (("sdpa", "cpu"), ("flex", "cuda")):
         d = _drafter(tiny_qwen3, attention=attention).to(device)
@@ -130,9 +115,9 @@ def test_compiled_flex_training_step_equals_sdpa_on_gpu(tiny_qwen3, samples):
 
 
 @pytest.mark.parametrize("to_backbone", [False, True])
-def test_confidence_gradient_into_backbone_is_a_config_value(tiny_qwen3, samples, to_backbone):
+def test_confidence_gradient_into_backbone_is_a_config_value(tiny_qwen3, drafter_samples, to_backbone):
     d = _drafter(tiny_qwen3, confidence_grad_to_backbone=to_backbone)
-    batch = collate_samples(samples)
+    batch = collate_samples(drafter_samples)
     slots = d(batch, d.make_blocks(batch, torch.Generator().manual_seed(0)))
     d.loss(slots, LossConfig(ce_weight=0.0, tv_weight=0.0, confidence_weight=1.0)).loss.backward()
     assert torch.count_nonzero(d.confidence_head.proj.weight.grad) == 72
@@ -145,9 +130,9 @@ def test_confidence_gradient_into_backbone_is_a_config_value(tiny_qwen3, samples
                 assert not reached or to_backbone, name
 
 
-def test_loss_with_all_supervision_masked_is_finite_with_zero_gradient(tiny_qwen3, samples):
+def test_loss_with_all_supervision_masked_is_finite_with_zero_gradient(tiny_qwen3, drafter_samples):
     d = _drafter(tiny_qwen3, head_type="gated")
-    s = dict(samples[0], loss_mask=torch.zeros(40, dtype=torch.uint8), last_hidden=torch.zeros(0, 64))
+    s = dict(drafter_samples[0], loss_mask=torch.zeros(40, dtype=torch.uint8), last_hidden=torch.zeros(0, 64))
     batch = collate_samples([s])
     slots = d(batch, d.make_blocks(batch))
     assert slots.hidden.shape == (0, 64)
@@ -158,28 +143,28 @@ def test_loss_with_all_supervision_masked_is_finite_with_zero_gradient(tiny_qwen
     assert grads and all(torch.count_nonzero(g) == 0 for g in grads)
 
 
-def test_greedy_draft_is_one_hot_and_reproducible(tiny_qwen3, samples):
+def test_greedy_draft_is_one_hot_and_reproducible(tiny_qwen3, drafter_samples):
     d = _drafter(tiny_qwen3).eval()
-    ctx = d.encode_context(samples[0]["features"][:12])
+    ctx = d.encode_context(drafter_samples[0]["features"][:12])
     r = d.draft_block(ctx, 7, temperature=0.0)
     assert torch.equal(r.q.sum(-1), torch.ones(4)) and torch.equal(r.q.argmax(-1), r.tokens)
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     assert torch.equal(d.draft_block(ctx, 7, 0.8, g1).tokens, d.draft_block(ctx, 7, 0.8, g2).tokens)
 
 
-def test_reduced_draft_vocabulary_is_fixed_across_resume(tiny_qwen3, samples):
-    counts = count_supervised_tokens(((s["input_ids"], s["loss_mask"]) for s in samples), 512)
+def test_reduced_draft_vocabulary_is_fixed_across_resume(tiny_qwen3, drafter_samples):
+    counts = count_supervised_tokens(((s["input_ids"], s["loss_mask"]) for s in drafter_samples), 512)
     d2t = build_d2t(counts, 32)
     d = _drafter(tiny_qwen3, d2t=d2t, draft_vocab_size=32)
     ids = draft_to_target_ids(d2t)
     assert torch.equal(d.lm_head.weight, tiny_qwen3.lm_head.weight[ids])
     assert torch.equal(d.state_dict()["d2t"], d2t)
-    r = d.draft_block(d.encode_context(samples[0]["features"][:12]), 7, 1.0, torch.Generator().manual_seed(0))
+    r = d.draft_block(d.encode_context(drafter_samples[0]["features"][:12]), 7, 1.0, torch.Generator().manual_seed(0))
     outside = torch.ones(512, dtype=torch.bool)
     outside[ids] = False
     assert torch.count_nonzero(r.q[:, outside]) == 0 and set(r.tokens.tolist()) <= set(ids.tolist())
     assert torch.allclose(r.q.sum(-1), torch.ones(4))
-    batch = collate_samples(samples)
+    batch = collate_samples(drafter_samples)
     out = d.loss(d(batch, d.make_blocks(batch)), LossConfig())
     assert torch.isfinite(out.loss)
     d.load_state_dict(d.state_dict())  # same d2t: fine
@@ -202,7 +187,7 @@ def test_invalid_configs_are_refused(tiny_qwen3):
         _drafter(tiny_qwen3, draft_vocab_size=32)
 
 
-def test_block_runner_closed_form_equals_the_training_c_star(tiny_qwen3, samples):
+def test_block_runner_closed_form_equals_the_training_c_star(tiny_qwen3, drafter_samples):
     """The block-level evaluator's logits are the drafter's own: its closed-form tau at T=1 equals
     the loss's ``tau_expected`` on the same anchors; paired drafters share the blocks."""
     from training.block_eval import summarise
@@ -212,9 +197,9 @@ def test_block_runner_closed_form_equals_the_training_c_star(tiny_qwen3, samples
     drafters = {"dspark": _drafter(tiny_qwen3).eval(),
                 "dflash": _drafter(tiny_qwen3, markov_rank=0, sample_from_anchor=False, block_size=6).eval(),
                 "control": _drafter(tiny_qwen3, head_type="control").eval()}
-    tally = evaluate_blocks(drafters, [samples], temperatures=[0.0, 1.0], num_anchors=16, seed=3)
+    tally = evaluate_blocks(drafters, [drafter_samples], temperatures=[0.0, 1.0], num_anchors=16, seed=3)
     summary = summarise(tally, pairs=[("dspark", "dflash"), ("dspark", "control")])
-    batch = collate_samples(samples)
+    batch = collate_samples(drafter_samples)
     anchors, keep = sample_anchors(batch.loss_mask, 16, torch.Generator().manual_seed(3))
     for name, d in drafters.items():
         blocks = build_blocks(batch.input_ids, batch.loss_mask, anchors, keep, block_size=d.config.block_size,
@@ -227,7 +212,7 @@ def test_block_runner_closed_form_equals_the_training_c_star(tiny_qwen3, samples
     assert summary["pairs"][("dspark", "dflash")][1.0]["n"] == 32
 
 
-def test_init_from_target_gives_the_target_layers_context_keys_and_values(tiny_qwen3, samples, tmp_path):
+def test_init_from_target_gives_the_target_layers_context_keys_and_values(tiny_qwen3, drafter_samples, tmp_path):
     """``init: target``: at step 0 each draft layer's context keys/values are exactly those target
     layer ``target_layer_ids[-1] + 1`` computes from its input (the last captured feature)."""
     from training.loop import build_drafter_from
@@ -237,7 +222,7 @@ def test_init_from_target_gives_the_target_layers_context_keys_and_values(tiny_q
                         markov_rank=8, init="target")
     d = build_drafter_from(cfg, str(tmp_path))
     assert d.init_layer == 3
-    ids = samples[0]["input_ids"].long()
+    ids = drafter_samples[0]["input_ids"].long()
     with torch.no_grad():
         hs = tiny_qwen3(ids[None], output_hidden_states=True).hidden_states
         features = torch.cat([hs[i + 1] for i in LAYER_IDS], -1)

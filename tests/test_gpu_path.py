@@ -24,21 +24,6 @@ MASK = 511
 META = torch.device("meta")
 
 
-@pytest.fixture(scope="module")
-def samples(tiny_qwen3):
-    """Two cache samples (T = 40, 30) of the tiny target, per the cache contract (bf16 features)."""
-    out = []
-    g = torch.Generator().manual_seed(0)
-    for T, sup_from in ((40, 6), (30, 12)):
-        ids = torch.randint(0, 500, (T,), generator=g)
-        with torch.no_grad():
-            hs = tiny_qwen3(ids[None], output_hidden_states=True).hidden_states
-        lm = torch.zeros(T, dtype=torch.uint8)
-        lm[sup_from:] = 1
-        out.append(dict(input_ids=ids.int(), loss_mask=lm,
-                        features=torch.cat([hs[i + 1][0] for i in LAYER_IDS], -1).bfloat16(),
-                        last_hidden=hs[-1][0][:-1][lm[1:].bool()].bfloat16(), sample_id=f"s-{T}"))
-    return out
 
 
 def _drafter(target, **kw):
@@ -75,11 +60,11 @@ def _record_forward(model) -> dict:
 
 # -- 1. inputs reach the engine's device ---------------------------------------------------------
 
-def test_to_device_moves_every_tensor_of_nested_batches_to_the_models_device(tiny_qwen3, samples):
+def test_to_device_moves_every_tensor_of_nested_batches_to_the_models_device(tiny_qwen3, drafter_samples):
     from training.data import module_device, to_device
 
     model = _drafter(tiny_qwen3).to(META)
-    batch = collate_samples(samples)
+    batch = collate_samples(drafter_samples)
     blocks = model.make_blocks(batch, torch.Generator().manual_seed(0))  # config only: the CPU batch
     device = module_device(model)
     assert device.type == "meta"
@@ -98,11 +83,11 @@ def test_to_device_moves_every_tensor_of_nested_batches_to_the_models_device(tin
     assert moved["nested"][0][0].slots == blocks.slots == 4
 
 
-def test_to_device_on_the_cpu_is_a_no_op(samples):
+def test_to_device_on_the_cpu_is_a_no_op(drafter_samples):
     """A CPU model: the same objects and tensors come back, so every CPU figure stays bit-identical."""
     from training.data import module_device, to_device
 
-    batch = collate_samples(samples)
+    batch = collate_samples(drafter_samples)
     assert module_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
     assert to_device(batch, torch.device("cpu")) is batch
     assert to_device(batch, "cpu").features is batch.features
@@ -110,12 +95,12 @@ def test_to_device_on_the_cpu_is_a_no_op(samples):
     assert to_device(nested, "cpu") is nested
 
 
-def test_to_device_towards_cuda_pins_then_copies_without_blocking(samples, monkeypatch):
+def test_to_device_towards_cuda_pins_then_copies_without_blocking(drafter_samples, monkeypatch):
     """The CUDA branch, driven on the CPU: each CPU tensor not yet pinned is pinned, then copied
     with ``non_blocking=True``; an already pinned one is not pinned again."""
     from training.data import to_device
 
-    batch = collate_samples(samples)
+    batch = collate_samples(drafter_samples)
     pinned, copies = [], []
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a, **k: self is batch.lengths)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: pinned.append(tuple(self.shape)) or self)
@@ -127,16 +112,16 @@ def test_to_device_towards_cuda_pins_then_copies_without_blocking(samples, monke
     assert copies == [("cuda", True)] * 6
 
 
-def test_host_batch_pins_the_collated_batch_for_a_cuda_model(samples, monkeypatch):
+def test_host_batch_pins_the_collated_batch_for_a_cuda_model(drafter_samples, monkeypatch):
     from training.loop import host_batch
 
-    plain = host_batch(samples, pin=False)
-    ref = collate_samples(samples)
+    plain = host_batch(drafter_samples, pin=False)
+    ref = collate_samples(drafter_samples)
     assert all(torch.equal(t, _tensors(ref)[k]) for k, t in _tensors(plain).items())
     pinned = []
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a, **k: False)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: pinned.append(self.dtype) or self)
-    host_batch(samples, pin=True)
+    host_batch(drafter_samples, pin=True)
     assert sorted(map(str, pinned)) == sorted(str(t.dtype) for t in _tensors(ref).values())
 
 
@@ -154,18 +139,18 @@ def test_prefetcher_collates_on_its_own_thread():
 
     threads = []
 
-    def collate(samples):
+    def collate(drafter_samples):
         threads.append(threading.get_ident())
-        return [s["sample_id"] for s in samples]
+        return [s["sample_id"] for s in drafter_samples]
 
     feed = Prefetcher(Reader(), [(0, k) for k in (5, 4, 3, 2, 1, 0)], 2, 0, 3, collate=collate)
     items = list(feed)
     assert [ids for _, ids in items] == [["s5", "s4"], ["s3", "s2"], ["s1", "s0"]]
-    assert [[int(s["input_ids"]) for s in samples] for samples, _ in items] == [[5, 4], [3, 2], [1, 0]]
+    assert [[int(s["input_ids"]) for s in drafter_samples] for drafter_samples, _ in items] == [[5, 4], [3, 2], [1, 0]]
     assert len(threads) == 3 and set(threads) == {feed._thread.ident} != {threading.get_ident()}
 
 
-def test_micro_step_hands_the_model_its_inputs_on_the_models_device(tiny_qwen3, samples):
+def test_micro_step_hands_the_model_its_inputs_on_the_models_device(tiny_qwen3, drafter_samples):
     """The loop's micro-step with a model on ``meta``: what reaches the forward is on ``meta``
     (before the fix the CPU batch reached it as it was)."""
     from training.engine import make_engine
@@ -175,7 +160,7 @@ def test_micro_step_hands_the_model_its_inputs_on_the_models_device(tiny_qwen3, 
     engine = make_engine(model, 0, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, total_steps=1, warmup_ratio=0.0,
                          accumulation=1, grad_clip=1.0)
     seen = _record_forward(model)
-    batch = collate_samples(samples)
+    batch = collate_samples(drafter_samples)
     with pytest.raises(_Stop):
         micro_step(engine, batch, torch.Generator().manual_seed(0), LossConfig(), 1)
     blocks = _drafter(tiny_qwen3).make_blocks(batch, torch.Generator().manual_seed(0))
@@ -186,17 +171,17 @@ def test_micro_step_hands_the_model_its_inputs_on_the_models_device(tiny_qwen3, 
     assert seen["blocks.input_ids"] == ("meta", (2, 6, 4), torch.int64)
 
 
-def test_validation_hands_the_model_its_inputs_on_the_models_device(tiny_qwen3, samples):
+def test_validation_hands_the_model_its_inputs_on_the_models_device(tiny_qwen3, drafter_samples):
     from training.validation import validate
 
     model = _drafter(tiny_qwen3).to(META)
     seen = _record_forward(model)
-    reader = SimpleNamespace(sample=lambda j: SimpleNamespace(**samples[j]))
+    reader = SimpleNamespace(sample=lambda j: SimpleNamespace(**drafter_samples[j]))
     with pytest.raises(_Stop):
         validate(model, reader, [[0, 1]], LossConfig(), rank=0, world=1)
     assert seen and {dev for dev, _, _ in seen.values()} == {"meta"}
     assert seen["batch.features"] == ("meta", (2, 40, 128), torch.bfloat16)
-    assert seen["batch.last_hidden"][1:] == ((34 + 18, 64), torch.bfloat16)  # supervised rows of both samples
+    assert seen["batch.last_hidden"][1:] == ((34 + 18, 64), torch.bfloat16)  # supervised rows of both drafter_samples
 
 
 # -- 2. gradient accumulation in fp32 under bf16 ---------------------------------------------------
@@ -253,14 +238,14 @@ def test_sdpa_with_a_mask_is_refused_on_cuda_and_allowed_on_the_cpu():
         resolve_attention("math", "cpu")
 
 
-def test_the_forward_refuses_sdpa_on_cuda_once_before_any_layer(tiny_qwen3, samples, monkeypatch):
+def test_the_forward_refuses_sdpa_on_cuda_once_before_any_layer(tiny_qwen3, drafter_samples, monkeypatch):
     """The training forward asks :func:`resolve_attention` once, with its weights' device type; on
     CUDA (the device type stood in for here) the refusal comes before the first layer runs."""
     import training.drafter as drafter_mod
     from training.drafter import resolve_attention
 
     model = _drafter(tiny_qwen3, attention="sdpa", num_layers=2)
-    batch = collate_samples(samples)
+    batch = collate_samples(drafter_samples)
     blocks = model.make_blocks(batch, torch.Generator().manual_seed(0))
     asked, computed = [], []
     model.fc.register_forward_pre_hook(lambda *a: computed.append("fc"))  # the forward's first compute

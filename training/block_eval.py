@@ -15,6 +15,9 @@ Pairing: all drafters see the same blocks and the same uniforms (:func:`block_un
 function of ``(seed, batch index, slot)``), ``x_k`` is drawn by inverse CDF from ``u_draw`` and
 accepted iff ``u_accept * q(x) < p(x)``. Differences between drafters then come from the drafters,
 not from the dice, and the ratio of mean taus gets a paired delta-method standard error.
+
+One of the evaluation modules, each for one question: this one the paired statistics over tensors;
+:mod:`training.block_runner` runs drafters on cache blocks; :mod:`training.validation` the learning curves.
 """
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ DSpark sec. 3.1) and the target logits (frozen ``lm_head`` on the cached final h
 :func:`evaluate_blocks` runs every drafter on the same anchors (drawn once per batch, independent
 of the drafters' layouts and block sizes) and hands the logits to
 :func:`training.block_eval.speculative_outcomes` with the same uniforms, so the comparison is paired.
+
+One of the evaluation modules, each for one question: this one runs drafters on cache blocks;
+:mod:`training.block_eval` the paired statistics; :mod:`training.validation` the learning curves.
 """
 from __future__ import annotations
 

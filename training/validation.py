@@ -6,6 +6,9 @@ generator seeded with ``(seed, batch index)``; the summed statistics are all-red
 figures are those of one process holding every batch, whatever the world size. Reported: per-slot
 expected acceptance (mean ``c*_k``), ``tau_expected = 1 + sum_j prod_{i<=j} c*_i`` (DSpark sec. 3.2),
 CE and TV (weighted as the training loss, DSpark sec. 3.3 eq. 12).
+
+One of the evaluation modules, each for one question: this one the learning curves during training;
+:mod:`training.block_eval` the paired statistics; :mod:`training.block_runner` drafters on cache blocks.
 """
 from __future__ import annotations
 

@@ -24,6 +24,9 @@ drafter it came from. References in ``OUT/reference.safetensors``, for the tools
 
 ``OUT/manifest.json`` lists the exports (format, drafter, path, num_speculative_tokens, block_size)
 and the target. Exits non-zero on a failed round trip.
+
+Why beside tests/vllm/: ``make test-vllm`` (in CI) checks vLLM on the native exports; this adds the
+speculators format and reduced vocabularies for every third-party tool, by hand (``make test-compat``).
 """
 from __future__ import annotations
 

@@ -16,6 +16,9 @@ confidence head); then write what ``check_export_vllm.py`` compares vLLM against
   confidence ``sigmoid`` as vLLM computes it from the exported, possibly folded, head).
 
 Prints the DSpark calibration report (ECE per position before / after STS, and as vLLM sees it).
+
+Why beside tests/compat/: this is ``make test-vllm`` (in CI: vLLM's own loader and decoding on the
+native exports); tests/compat/ reuses these drafters for every third-party tool, by hand (``make test-compat``).
 """
 from __future__ import annotations
 
