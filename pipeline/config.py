@@ -260,6 +260,8 @@ class TrainConfig:
     validate_every_steps: int = 50
     validation_samples: int = 256  # at most this many validation samples per evaluation
     checkpoint_every_steps: int = 200
+    # committed checkpoints kept, the newest ones (rank 0 deletes older ones after each commit); None = all
+    keep_checkpoints: Optional[int] = None
     max_failures: int = 2  # Ray Train restarts of a failed worker group (from the last checkpoint)
     seed: int = 0
     # cache | online | hybrid (docs/feature-modes.md); online and hybrid prefill with the cache
@@ -277,6 +279,8 @@ class TrainConfig:
 class CalibrateConfig:
     bins: int = 15
     grid_step: float = 0.01
+    # at most this many held-out samples (the first ones, in the held-out shards' stored order); None = all
+    max_samples: Optional[int] = None
 
 
 @dataclass
@@ -387,6 +391,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.train.validation_shards >= 0, "train.validation_shards", "must be >= 0 (0 = no learning curve)")
     _check(cfg.train.validate_every_steps >= 1, "train.validate_every_steps", "must be >= 1")
     _check(cfg.train.validation_samples >= 1, "train.validation_samples", "must be >= 1")
+    _check(cfg.train.keep_checkpoints is None or cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints",
+           f"must be >= 1, the newest committed checkpoints to keep, or null to keep all "
+           f"(got {cfg.train.keep_checkpoints})")
     _check(cfg.evaluate.block_samples >= 0, "evaluate.block_samples", "must be >= 0 (0 = no block-level evaluation)")
     _check(cfg.evaluate.block_anchors >= 1, "evaluate.block_anchors", "must be >= 1")
     _check(cfg.storage.max_attempts >= 1, "storage.max_attempts", "must be >= 1 (1 = no retries)")
@@ -395,6 +402,8 @@ def validate(cfg: RunConfig) -> RunConfig:
            "storage.connect_timeout_s and storage.read_timeout_s must be > 0 seconds")
     _check(cfg.calibrate.bins >= 2, "calibrate.bins", "must be >= 2")
     _check(0 < cfg.calibrate.grid_step < 1, "calibrate.grid_step", "must be in (0, 1)")
+    _check(cfg.calibrate.max_samples is None or cfg.calibrate.max_samples >= 1, "calibrate.max_samples",
+           f"must be >= 1 held-out samples, or null to use all (got {cfg.calibrate.max_samples})")
     _check(all(t >= 0 for t in cfg.evaluate.temperatures), "evaluate.temperatures", "must be >= 0")
     return cfg
 

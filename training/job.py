@@ -33,6 +33,8 @@ class TrainJob:
         heldout_shards, validation_shards: shards kept out of training (:func:`training.data.split_shards`).
         validation_samples, validate_every_steps: the held-out learning curve.
         checkpoint_every_steps: committed checkpoint cadence (and the last step).
+        keep_checkpoints: committed checkpoints kept after each commit, the newest ones (older ones
+            deleted by rank 0: :func:`training.checkpoint.prune_checkpoints`), or None to keep all.
         storage: the object-storage retry policy of the worker's S3 clients.
         features: ``cache`` (read ``cache_url``), ``online`` (rank r reads Ray Train dataset
             ``train_rank<r>``, validation from ``validation``: :mod:`training.stream`) or ``hybrid``
@@ -77,6 +79,7 @@ class TrainJob:
     stream_bound_bytes: int | None = None
     muon_lr: float | None = None
     metrics_flush_seconds: float = 30.0
+    keep_checkpoints: int | None = None
 
     def accumulation(self, world: int) -> int:
         """Micro-steps per optimizer step on each of ``world`` ranks."""

@@ -412,6 +412,10 @@ def train_worker(config: dict[str, Any]) -> None:
                     log.flush()
                 mine = consumed.state(pos.epoch, pos.micro)
                 _save(engine, train_url, pos, {**state, "_consumed": mine, "_rank_consumed": mine})
+                if rank == 0 and job.keep_checkpoints is not None:  # committed: drop the ones beyond the newest N
+                    from training.checkpoint import prune_checkpoints
+
+                    prune_checkpoints(train_url, job.keep_checkpoints)
             if pos.step >= total:
                 break
         else:

@@ -1,7 +1,8 @@
 """Calibrate stage: sequential temperature scaling (STS) of each drafter's confidence head.
 
 For every trained drafter with a confidence head, the drafter runs over the **held-out** cache
-shards (``training.data.split_shards``: the last ``train.heldout_shards`` non-empty shards) with
+shards (``training.data.split_shards``: the last ``train.heldout_shards`` non-empty shards; at most
+``calibrate.max_samples`` of their samples, the first ones in stored order: :func:`select_heldout`) with
 blocks at anchors drawn from a fixed seed, exactly as in training (teacher forcing). Each block
 gives, per predicting position k = 1..gamma, the confidence logit ``z_k`` and the label ``c*_k =
 1 - 0.5 ||p_d - p_t||_1`` (the expected acceptance of that slot given an accepted prefix, DSpark
@@ -22,21 +23,22 @@ Realised 0/1 prefix-survival labels come from live decoding (the evaluate stage)
 """
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pipeline.config import RunConfig
-from pipeline.errors import PipelineError
+from pipeline.errors import ConfigError, PipelineError
 from storage import filesystem, join, write_json
 
 log = logging.getLogger("pipeline.stages.calibrate")
 
-__all__ = ["ConfidenceSet", "collect_confidence", "calibrate_drafter", "save_confidence",
-           "load_confidence", "run_calibrate"]
+__all__ = ["ConfidenceSet", "HeldoutSelection", "select_heldout", "heldout_batches", "collect_confidence",
+           "calibrate_drafter", "save_confidence", "load_confidence", "run_calibrate"]
 
 LABEL_KIND = "expected_acceptance"  # c*_k = 1 - 0.5 ||p_d - p_t||_1 from the cached target states
 
@@ -69,6 +71,67 @@ class ConfidenceSet:
     def num_blocks(self) -> int:
         """Blocks N (rows)."""
         return self.z.shape[0]
+
+
+@dataclass(frozen=True)
+class HeldoutSelection:
+    """The held-out samples calibrate reads: the first ``samples_used`` of the held-out shards' samples
+    in stored order (shard by shard, each shard's samples in order), so every rerun reads the same ones.
+
+    Attributes:
+        shards: the held-out shards read, in order (a prefix of the split's held-out shards: those
+            holding the used samples). samples_used: samples read (and run through the drafter).
+        samples_available: samples in all the held-out shards.
+    """
+
+    shards: tuple[int, ...]
+    samples_used: int
+    samples_available: int
+
+
+def select_heldout(counts: Mapping[int, int], heldout: Sequence[int], max_samples: int | None) -> HeldoutSelection:
+    """Choose calibrate's held-out samples: the first ``max_samples`` of ``heldout``'s samples in
+    stored order, or all of them when ``max_samples`` is None (or not below their number).
+
+    Args:
+        counts: samples per shard (``ShardSplit.counts``: the committed records' ``num_samples``).
+        heldout: the held-out shard indices in reading order (``ShardSplit.heldout``).
+        max_samples: the cap (``calibrate.max_samples``, samples, >= 1), or None for all.
+    Returns:
+        the :class:`HeldoutSelection`.
+    Raises:
+        ConfigError: ``max_samples`` < 1 (set ``calibrate.max_samples`` >= 1, or null for all).
+    """
+    if max_samples is not None and max_samples < 1:
+        raise ConfigError(f"calibrate.max_samples: must be >= 1 held-out samples, or null to use all "
+                          f"(got {max_samples})")
+    available = sum(int(counts[s]) for s in heldout)
+    used = available if max_samples is None else min(max_samples, available)
+    shards, seen = [], 0
+    for s in heldout:
+        if seen >= used:
+            break
+        shards.append(s)
+        seen += int(counts[s])
+    return HeldoutSelection(tuple(shards), used, available)
+
+
+def heldout_batches(reader, selection: HeldoutSelection, micro_batch: int) -> Iterator[list[dict]]:
+    """The selected held-out samples, read lazily in lists of ``micro_batch`` sample mappings
+    (``training.data.as_mapping``; the last list may be shorter): no sample past
+    ``selection.samples_used`` is ever read from the cache.
+
+    Args:
+        reader: a :class:`cache_schema.CacheReader` of the cache (``iter_samples``).
+        selection: from :func:`select_heldout`. micro_batch: samples per list (>= 1).
+    Raises:
+        ShardNotCommittedError, MissingObjectError: as ``CacheReader.iter_samples``.
+    """
+    from training.data import as_mapping
+
+    samples = itertools.islice(reader.iter_samples(selection.shards), selection.samples_used)
+    while batch := [as_mapping(s) for s in itertools.islice(samples, micro_batch)]:
+        yield batch
 
 
 def collect_confidence(model, batches: Iterable[Sequence[Mapping[str, torch.Tensor]]], loss_cfg, *,
@@ -173,10 +236,13 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     """``+stage=calibrate``: STS for every trained drafter that has a confidence head.
 
     Returns:
-        ``{"heldout_shards": [...], "drafters": {name: {"temperatures", "global_temperature", "at_bounds",
-        "num_blocks", "block_size", "heldout_tau_expected", "ece_before", "ece_after", "ece_global"} |
+        ``{"heldout_shards": [...], "samples_used", "samples_available", "drafters": {name: {"temperatures",
+        "global_temperature", "at_bounds", "num_blocks", "block_size", "heldout_tau_expected", "ece_before",
+        "ece_after", "ece_global", "samples_used", "samples_available"} |
         {"skipped": reason}}}`` with ECE lists per position on the report half (None where undefined); ``heldout_tau_expected`` is the mean over held-out blocks of
-        ``1 + sum_j prod_{i<=j} c*_i`` (:func:`training.losses.expected_tau`).
+        ``1 + sum_j prod_{i<=j} c*_i`` (:func:`training.losses.expected_tau`). ``samples_used`` of the
+        ``samples_available`` held-out samples were run (``calibrate.max_samples``: :func:`select_heldout`);
+        each drafter's ``report.json`` records both too.
     Raises:
         FingerprintMismatchError: the cache does not fit the config.
         FileNotFoundError: a drafter has no committed checkpoint (run the train stage).
@@ -185,7 +251,7 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.stages.cache import cache_url
     from pipeline.target_model.loader import resolve_target_path
     from pipeline.stages.train import expected_fingerprint
-    from training.data import sample_batches, split_shards
+    from training.data import split_shards
     from pipeline.drafters import load_trained_drafter
     from training.losses import LossConfig, expected_tau
     from training.sts import plot_reliability
@@ -195,15 +261,17 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     split = split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards)
     loss_cfg = LossConfig(ce_weight=cfg.train.loss_ce, tv_weight=cfg.train.loss_tv,
                           confidence_weight=cfg.train.loss_conf, decay_lambda=cfg.train.decay_lambda)
-    summary: dict[str, Any] = {"heldout_shards": list(split.heldout), "drafters": {}}
+    selection = select_heldout(split.counts, split.heldout, cfg.calibrate.max_samples)
+    sampled = {"samples_used": selection.samples_used, "samples_available": selection.samples_available}
+    summary: dict[str, Any] = {"heldout_shards": list(split.heldout), **sampled, "drafters": {}}
     for name, spec in cfg.train.drafters.items():
         if not spec.confidence_head:
             summary["drafters"][name] = {"skipped": "no confidence head"}
             continue
         model = load_trained_drafter(cfg, name, target_dir)
-        data = collect_confidence(model, sample_batches(reader, split.heldout, cfg.train.micro_batch_samples),
+        data = collect_confidence(model, heldout_batches(reader, selection, cfg.train.micro_batch_samples),
                                   loss_cfg, seed=cfg.train.seed)
-        report = calibrate_drafter(data, n_bins=cfg.calibrate.bins, grid_step=cfg.calibrate.grid_step)
+        report = {**calibrate_drafter(data, n_bins=cfg.calibrate.bins, grid_step=cfg.calibrate.grid_step), **sampled}
         out = join(cfg.run_dir, "calibrate", name)
         write_json(join(out, "report.json"), report)
         save_confidence(join(out, "confidence.safetensors"), data)
@@ -216,7 +284,7 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
             "at_bounds": report["sts"]["at_bounds"], "num_blocks": data.num_blocks,
             "block_size": data.z.shape[1], "heldout_tau_expected": float(expected_tau(data.y, data.valid).mean()),
             "ece_before": [p["before"]["ece"] for p in pos], "ece_after": [p["after"]["ece"] for p in pos],
-            "ece_global": [p["global"]["ece"] for p in pos]}
-        log.info("calibrate %s: %d blocks, T=%s", name, data.num_blocks,
-                 [round(t, 3) for t in report["temperatures"]])
+            "ece_global": [p["global"]["ece"] for p in pos], **sampled}
+        log.info("calibrate %s: %d blocks of %d/%d held-out samples, T=%s", name, data.num_blocks,
+                 selection.samples_used, selection.samples_available, [round(t, 3) for t in report["temperatures"]])
     return summary

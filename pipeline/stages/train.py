@@ -36,7 +36,7 @@ def train_job(cfg: RunConfig, name: str, fingerprint_json: str, target_dir: str)
         validate_every_steps=t.validate_every_steps, checkpoint_every_steps=t.checkpoint_every_steps,
         storage=cfg.storage, features=t.features.value, step_delay_s=t.step_delay_s,
         stream_bound_bytes=t.stream_memory_bytes if t.features.value != "cache" else None,
-        metrics_flush_seconds=t.metrics_flush_seconds)
+        metrics_flush_seconds=t.metrics_flush_seconds, keep_checkpoints=t.keep_checkpoints)
 
 
 def expected_fingerprint(cfg: RunConfig, target_dir: str):
