@@ -179,13 +179,10 @@ def estimate_plan(cfg) -> tuple[list[tuple[int, Any]], str | None]:
     Raises:
         PipelineError, GenerateSettingsMismatchError, BadInputFileError: as the cache stage's plan.
     """
+    from pipeline.stages import generate
     from pipeline.stages.cache import plan
 
-    try:
-        from pipeline.stages import generate
-    except ImportError:  # a build without the generate stage: the cache stage's plan says what to do
-        generate = None
-    if cfg.generate.enabled and generate is not None:
+    if cfg.generate.enabled:
         shards, records = generate.plan(cfg), generate.committed_records(generate.generate_url(cfg))
         done = sum(i in records for i, _ in shards)
         if done < len(shards):
