@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cache_schema import CacheError, CacheNotFoundError
-from ops import compare, estimate, listing, repair, sample, verify
+from ops import compare, estimate, listing, plan, repair, sample, verify
 from ops.common import UsageError
 from ops.report import to_json
 from ops.verify import VerifyInterrupted
@@ -91,6 +91,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the run's config file, then config overrides, as for pipeline.run")
     p.add_argument("--config", metavar="YAML", help="the run's config file (alias of the positional CONFIG.yaml)")
     p.add_argument("--workers", type=int, default=1, help="render processes (default 1)")
+    p = command("plan", "roofline projection of generate, cache and train on a cluster, from the model shapes "
+                        "(no weights needed)", url=False)
+    p.add_argument("args", nargs="*", metavar="CONFIG.yaml|KEY=VALUE",
+                   help="the run's config file, then config overrides, as for pipeline.run")
+    p.add_argument("--config", metavar="YAML", help="the run's config file (alias of the positional CONFIG.yaml)")
+    p.add_argument("--cluster", action="append", choices=sorted(plan.CLUSTERS), metavar="NAME",
+                   help=f"cluster preset, repeatable: {', '.join(sorted(plan.CLUSTERS))} (default: all)")
+    p.add_argument("--tokens", type=float, default=1e9, metavar="N",
+                   help="corpus tokens for the hours column (default 1e9)")
+    p.add_argument("--target-config", metavar="FILE",
+                   help="the target's config.json (default: target.path/config.json when target.path is a "
+                        "local folder)")
+    p.add_argument("--supervised-fraction", type=float, default=1.0, metavar="F",
+                   help="share of positions whose next token is supervised, in [0, 1] (default 1.0, an upper "
+                        "bound)")
+    p.add_argument("--s3-prefixes", type=int, metavar="N",
+                   help="S3 prefixes the cache's requests spread over (default 1, a bucket S3 has not partitioned)")
     p = command("diff", "compare two caches by sample id, content hash and shard checksums", url=False)
     p.add_argument("url_a", help="first cache root")
     p.add_argument("url_b", help="second cache root")
@@ -118,6 +135,13 @@ def _estimate(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
     return estimate.estimate(config, overrides, workers=a.workers)
 
 
+def _plan(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    config, overrides = config_args(a)
+    return plan.plan_from_config(config, overrides, clusters=a.cluster or (), tokens=a.tokens,
+                                 target_config=a.target_config, supervised_fraction=a.supervised_fraction,
+                                 s3_prefixes=a.s3_prefixes)
+
+
 def _sample(a: argparse.Namespace) -> tuple[dict[str, Any], int]:
     if (a.index is None) == (a.row is None):
         raise UsageError("give a sample INDEX or --row SOURCE:ROW (one of them)")
@@ -133,6 +157,7 @@ HANDLERS: dict[str, tuple[Handler, Callable[[dict[str, Any]], str]]] = {
     "du": (lambda a: listing.du(a.url), listing.render_du),
     "gc": (lambda a: repair.gc(a.url, yes=a.yes, min_age_s=a.min_age), repair.render_gc),
     "estimate": (_estimate, estimate.render_estimate),
+    "plan": (_plan, plan.render_plan),
     "diff": (lambda a: compare.diff(a.url_a, a.url_b), compare.render_diff),
 }
 
