@@ -7,7 +7,8 @@ export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/dspark-torch-extensions
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-cluster test test-fast test-vllm test-compat bench clean clean-runs check-gpu-install
+.PHONY: install demo demo-cluster test test-fast test-vllm test-compat bench clean clean-runs check-gpu-install \
+	gpu-check gpu-check-dry
 
 # One pip command installs everything (torch pinned to the CPU build on the same line; a later,
 # separate moto install would break the s3fs/botocore pin). constraints.txt is the resolved set
@@ -98,6 +99,16 @@ test-compat: install $(SPECULATORS_VENV)/.installed-stamp $(DFLASH_VENV)/.instal
 # network, no GPU, about a minute; prints the tested versions (docs/cluster.md).
 check-gpu-install:
 	python3 tests/check_gpu_install.py
+
+# The GPU-path check (bench/gpu_check.py: training step, flex vs sdpa, prefill + shard write, block-level
+# evaluation, one speculative round, one JSON). gpu-check runs on a GPU machine with whatever python3 is
+# there (torch, transformers and the wheels its docstring lists; no Ray, no vLLM; it sets
+# DS_ACCELERATOR=cuda itself); gpu-check-dry runs the same code on the CPU at a reduced shape (< 1 minute).
+gpu-check:
+	python3 bench/gpu_check.py --out runs/gpu-check/gpu_check.json
+
+gpu-check-dry: install
+	$(PY) bench/gpu_check.py --dry --out runs/gpu-check/dry.json
 
 bench: install
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

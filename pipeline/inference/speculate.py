@@ -71,18 +71,23 @@ class Target:
     """The frozen target with a KV cache and a tap on its layers (one sequence)."""
 
     def __init__(self, model, tap: LayerTap | None = None):
+        import inspect
+
         from transformers import DynamicCache
 
         self.model, self.tap = model, tap
         self.cache = DynamicCache(config=model.config)
         self.length = 0
+        # the KV cache's keyword: ``cache`` in transformers 5.24 (the CPU set), ``past_key_values`` before
+        # (5.20, the GPU set that vLLM 0.33 admits)
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @torch.inference_mode()
     def forward(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``ids`` at positions ``length..``; returns logits [n, V] float32 and the tapped
         features [n, L*H]."""
         x = torch.as_tensor([list(ids)], dtype=torch.long, device=self.model.device)
-        out = self.model(input_ids=x, cache=self.cache, use_cache=True)
+        out = self.model(input_ids=x, use_cache=True, **{self._cache_kw: self.cache})
         self.length += len(ids)
         feats = None if self.tap is None else self.tap.features()[0].float()
         return out.logits[0].float(), feats
