@@ -37,6 +37,7 @@ from typing import Any
 from cache_schema import StorageConfig, estimate_cache_bytes
 from ops.estimate import OPEN_PER_SHARD, WRITE_EXTRA_PER_SHARD, sample_read_requests, shard_objects
 from ops.report import key_values, table
+from pipeline.inference.roofline import ModelShape
 
 STAGES = ("generate", "cache", "train")
 RESOURCES = ("compute", "hbm", "pcie", "network", "s3_put", "s3_get")
@@ -177,98 +178,14 @@ CLUSTERS: dict[str, Cluster] = {c.name: c for c in (H200_8, H200_64)}
 
 
 # ---- the shapes ---------------------------------------------------------------------------------------
+# The target's shapes are :class:`pipeline.inference.roofline.ModelShape` (from its ``config.json``):
+# parameter counts, ``q_dim`` / ``kv_dim``, KV bytes per token, ``bytes_per_param`` (the target's dtype).
 
 @dataclass(frozen=True)
-class TargetShape:
-    """A Qwen3-family target's shapes (its ``config.json``) and the bytes per element it runs in.
-
-    Attributes:
-        hidden_size H, num_layers, num_heads, num_kv_heads, head_dim, intermediate_size I, vocab_size V,
-        tie_word_embeddings, attention_bias (q/k/v/o biases), dtype_bytes (2 for bf16).
-    Raises:
-        ValueError: a non-positive size, or num_heads not a multiple of num_kv_heads.
-    """
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    dtype_bytes: int = 2
-
-    def __post_init__(self) -> None:
-        _check_positive("target shape", hidden_size=self.hidden_size, num_layers=self.num_layers,
-                        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                        intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
-                        dtype_bytes=self.dtype_bytes)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any], dtype_bytes: int = 2) -> TargetShape:
-        """From a Hugging Face ``config.json`` dict (``num_key_value_heads`` defaults to the heads,
-        ``head_dim`` to ``hidden_size / num_attention_heads``, ``tie_word_embeddings`` to False as in
-        ``Qwen3Config``).
-
-        Raises:
-            ValueError: a missing or non-integer key, or sizes :class:`TargetShape` refuses.
-        """
-        need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-        missing = [k for k in need if k not in config]
-        if missing:
-            raise ValueError(f"the target config lacks {missing} (expected a Hugging Face config.json)")
-        try:
-            heads = int(config["num_attention_heads"])
-            return cls(hidden_size=int(config["hidden_size"]), num_layers=int(config["num_hidden_layers"]),
-                       num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                       head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-                       intermediate_size=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
-                       tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                       attention_bias=bool(config.get("attention_bias", False)), dtype_bytes=dtype_bytes)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"the target config has unusable sizes: {exc}") from None
-
-    @property
-    def q_dim(self) -> int:
-        """``num_heads * head_dim``, the width of the queries (and of attention's output)."""
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        """``num_kv_heads * head_dim``, the width of the keys and of the values."""
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def layer_params(self) -> int:
-        """Parameters of one Qwen3 decoder layer: q, k, v, o projections (+ biases), q/k norms
-        (``head_dim`` each), the SwiGLU MLP ``3 H I`` and two RMSNorms ``2 H``."""
-        H, q, kv = self.hidden_size, self.q_dim, self.kv_dim
-        attn = H * q + 2 * H * kv + q * H + 2 * self.head_dim + ((q + 2 * kv + H) if self.attention_bias else 0)
-        return attn + 3 * H * self.intermediate_size + 2 * H
-
-    @property
-    def non_embedding_params(self) -> int:
-        """Kaplan's N: ``num_layers * layer_params`` + the final norm ``H`` (no embedding, no head)."""
-        return self.num_layers * self.layer_params + self.hidden_size
-
-    @property
-    def embedding_params(self) -> int:
-        """``V H`` for the embedding, twice when the ``lm_head`` is not tied to it."""
-        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes of one token over all layers: ``layers * 2 * kv_dim * dtype_bytes``."""
-        return self.num_layers * 2 * self.kv_dim * self.dtype_bytes
-
-
-@dataclass(frozen=True)
-class DrafterShape:
-    """One drafter of ``train.drafters`` (:class:`training.drafter.DrafterConfig`'s shape fields).
+class DrafterRecipe:
+    """One drafter of ``train.drafters`` (:class:`training.drafter.DrafterConfig`'s shape fields): its training
+    recipe (block, head kind, draft vocabulary), not :class:`pipeline.inference.roofline.DrafterShape`'s
+    inference-cost shape (a backbone :class:`ModelShape` and fused features).
 
     Attributes:
         name, num_layers, block_size gamma, sample_from_anchor (slots S = gamma, else gamma + 1),
@@ -304,7 +221,7 @@ class Recipe:
     """What the projection reads of a run: the shapes and the run's sizes.
 
     Attributes:
-        target: the target's shapes. captured_layers: L, ``len(target.target_layer_ids)``.
+        target: the target's shapes (:class:`ModelShape`). captured_layers: L, ``len(target.target_layer_ids)``.
         drafters: the drafters trained. num_anchors: ``train.num_anchors`` per sample.
         max_length: ``data.max_length``, the tokens T of every sample (an upper bound).
         max_new_tokens: ``generate.max_new_tokens``. prompt_tokens: mean prompt tokens before an
@@ -319,9 +236,9 @@ class Recipe:
         ValueError: a size out of range.
     """
 
-    target: TargetShape
+    target: ModelShape
     captured_layers: int
-    drafters: tuple[DrafterShape, ...]
+    drafters: tuple[DrafterRecipe, ...]
     num_anchors: int
     max_length: int
     max_new_tokens: int
@@ -356,10 +273,12 @@ class Recipe:
         target's ``config.json`` dict.
 
         Raises:
-            ValueError: unusable target config or sizes (:class:`TargetShape`, :class:`Recipe`).
+            ValueError: unusable target config or sizes (:class:`ModelShape`, :class:`Recipe`).
         """
-        target = TargetShape.from_config(target_config, dtype_bytes=_dtype_bytes(cfg.target.dtype))
-        drafters = tuple(DrafterShape(name=name, num_layers=int(s.num_layers), block_size=int(s.block_size),
+        # a Qwen3-family target: its q/k norms are counted whatever ``model_type`` says
+        target = replace(ModelShape.from_config(target_config, bytes_per_param=_dtype_bytes(cfg.target.dtype)),
+                         qk_norm=True)
+        drafters = tuple(DrafterRecipe(name=name, num_layers=int(s.num_layers), block_size=int(s.block_size),
                                       sample_from_anchor=bool(s.sample_from_anchor), markov_rank=int(s.markov_rank),
                                       head=str(getattr(s.head, "value", s.head)),
                                       confidence_head=bool(s.confidence_head), draft_vocab_size=s.draft_vocab_size)
@@ -378,7 +297,7 @@ class Recipe:
                    supervised_fraction=supervised_fraction)
 
 
-def drafter_params(recipe: Recipe, drafter: DrafterShape) -> dict[str, int]:
+def drafter_params(recipe: Recipe, drafter: DrafterRecipe) -> dict[str, int]:
     """Trainable parameters of a drafter by part, counted as :class:`training.drafter.Drafter` builds them:
     ``layers`` (``num_layers`` Qwen3 decoder layers of the target's shape), ``fc`` (``L H H``, no bias),
     ``norms`` (hidden_norm and norm, ``2 H``), ``markov_w1`` (``V r``, an embedding: no FLOPs),
@@ -418,7 +337,7 @@ def decode_batch(recipe: Recipe, cluster: Cluster) -> int:
     vLLM's share of HBM at the mean context (vLLM pages KV by tokens in use):
     ``floor((0.9 HBM - weight bytes) / (kv_bytes_per_token * mean context))``, at least 1."""
     t = recipe.target
-    weights = (t.non_embedding_params + t.embedding_params) * t.dtype_bytes
+    weights = t.param_count * t.bytes_per_param
     kv_room = VLLM_GPU_MEMORY_UTILIZATION * cluster.hbm_bytes - weights
     fits = math.floor(kv_room / (t.kv_bytes_per_token * _decode_context(recipe)))
     return max(1, min(recipe.generate_batch, fits))
@@ -444,7 +363,7 @@ def generate_per_token(recipe: Recipe, cluster: Cluster) -> dict[str, Any]:
     """
     t = recipe.target
     c, B = _decode_context(recipe), decode_batch(recipe, cluster)
-    weights = (t.non_embedding_params + t.vocab_size * t.hidden_size) * t.dtype_bytes
+    weights = t.weight_bytes  # (N + V H) x bytes: every parameter but an untied input embedding
     flops = 2 * (t.non_embedding_params + t.vocab_size * t.hidden_size) + 4 * t.num_layers * t.q_dim * c
     hbm = weights / B + t.kv_bytes_per_token * (c + 1)
     return {"flops": flops, "bytes": {"hbm": hbm}, "requests": {},
@@ -476,7 +395,7 @@ def cache_per_token(recipe: Recipe) -> dict[str, Any]:
     keys = (T + 1) / 2
     flops = 2 * t.non_embedding_params + 4 * t.num_layers * t.q_dim * keys
     captured = (L + 1) * H * 2
-    hbm = (t.non_embedding_params * t.dtype_bytes / recipe.cache_batch_tokens
+    hbm = (t.non_embedding_params * t.bytes_per_param / recipe.cache_batch_tokens
            + t.kv_bytes_per_token * keys / ATTN_QUERY_TILE + 2 * captured)
     rows, tokens = recipe.cache_rows_per_shard, recipe.cache_rows_per_shard * T
     objects = shard_objects(rows, tokens, round(tokens * f), feature_width=L * H, hidden_size=H,
@@ -488,7 +407,7 @@ def cache_per_token(recipe: Recipe) -> dict[str, Any]:
                        "mean_keys": keys}}
 
 
-def train_per_token(recipe: Recipe, drafter: DrafterShape) -> dict[str, Any]:
+def train_per_token(recipe: Recipe, drafter: DrafterRecipe) -> dict[str, Any]:
     """Drafter training cost per cache token read (one epoch's pass over a token).
 
     Slots per token: ``A S / T`` through the backbone and ``A gamma / T`` into the loss (A =
@@ -623,9 +542,15 @@ def plan(recipe: Recipe, clusters: Sequence[Cluster], tokens: float = 1e9) -> di
     if not clusters:
         raise ValueError("plan() needs at least one cluster")
     t = recipe.target
-    return {"tokens": tokens, "supervised_fraction": recipe.supervised_fraction, "recipe": asdict(recipe),
+    # the payload's target keys stay the config's names (tie_word_embeddings, dtype_bytes)
+    target = {"hidden_size": t.hidden_size, "num_layers": t.num_layers, "num_heads": t.num_heads,
+              "num_kv_heads": t.num_kv_heads, "head_dim": t.head_dim, "intermediate_size": t.intermediate_size,
+              "vocab_size": t.vocab_size, "tie_word_embeddings": t.tie_embeddings,
+              "attention_bias": t.attention_bias, "dtype_bytes": t.bytes_per_param}
+    return {"tokens": tokens, "supervised_fraction": recipe.supervised_fraction,
+            "recipe": {**asdict(recipe), "target": target},
             "model": {"target_non_embedding_params": t.non_embedding_params,
-                      "target_params": t.non_embedding_params + t.embedding_params,
+                      "target_params": t.param_count,
                       "drafter_params": {d.name: drafter_params(recipe, d) for d in recipe.drafters},
                       "cache_bytes_per_token": cache_bytes_per_token(recipe)},
             "clusters": {c.name: {"cluster": {**asdict(c), "nodes": c.nodes}, "stages": project(recipe, c, tokens)}

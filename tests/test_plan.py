@@ -8,8 +8,9 @@ import pytest
 
 from cache_schema import estimate_cache_bytes
 from ops.__main__ import main as ops_main
-from ops.plan import (CLUSTERS, H200_8, H200_64, Cluster, DrafterShape, Recipe, TargetShape, cache_per_token,
-                      drafter_params, generate_per_token, project, render_plan, plan, train_per_token)
+from ops.plan import (CLUSTERS, H200_8, H200_64, Cluster, DrafterRecipe, Recipe, cache_per_token, drafter_params,
+                      generate_per_token, project, render_plan, plan, train_per_token)
+from pipeline.inference.roofline import ModelShape
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "conf" / "qwen3_4b.yaml"
@@ -20,9 +21,9 @@ QWEN3_4B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidde
             "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 40960}
 
 # ---- a tiny made-up shape, every number written out by hand ------------------------------------------
-TINY = TargetShape(hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16,
-                   vocab_size=32, tie_word_embeddings=True)
-TINY_DRAFTER = DrafterShape(name="d", num_layers=1, block_size=3, markov_rank=4)
+TINY = ModelShape(hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16,
+                  vocab_size=32, tie_embeddings=True, qk_norm=True)
+TINY_DRAFTER = DrafterRecipe(name="d", num_layers=1, block_size=3, markov_rank=4)
 TINY_RECIPE = Recipe(target=TINY, captured_layers=2, drafters=(TINY_DRAFTER,), num_anchors=4, max_length=16,
                      max_new_tokens=8, generate_batch=2, cache_rows_per_shard=2, cache_batch_tokens=32,
                      micro_batch_samples=1, global_batch_samples=2, epochs=3)
@@ -155,7 +156,7 @@ def test_bad_inputs_raise_value_errors():
     with pytest.raises(ValueError, match="supervised_fraction"):
         replace(TINY_RECIPE, supervised_fraction=1.5)
     with pytest.raises(ValueError, match="lacks"):
-        TargetShape.from_config({"hidden_size": 8})
+        ModelShape.from_config({"hidden_size": 8})
     with pytest.raises(ValueError, match="target_config"):
         project(object(), H200_8)
     with pytest.raises(ValueError, match="tokens"):

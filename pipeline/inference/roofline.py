@@ -82,11 +82,13 @@ H200 = Accelerator(
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder-only transformer (Llama / Qwen3 layout: GQA attention, gated MLP, no biases); sizes in
-    elements, ``qk_norm``: Qwen3's per-head q/k RMSNorm, ``bytes_per_param``: 2 = bf16 (also the KV).
+    """A decoder-only transformer (Llama / Qwen3 layout: GQA attention, gated MLP); sizes in elements,
+    ``qk_norm``: Qwen3's per-head q/k RMSNorm, ``bytes_per_param``: bytes per element of the weights
+    and of the KV cache (2 = bf16), ``attention_bias``: q, k, v, o biases (``attention_bias`` of the
+    HF config; off in Qwen3).
 
     Raises:
-        ValueError: a size < 1.
+        ValueError: a size < 1, or num_heads not a multiple of num_kv_heads.
     """
 
     hidden_size: int
@@ -99,16 +101,21 @@ class ModelShape:
     tie_embeddings: bool = False
     qk_norm: bool = False
     bytes_per_param: int = 2
+    attention_bias: bool = False
 
     def __post_init__(self):
         for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                     "intermediate_size", "vocab_size", "bytes_per_param"):
             _size(key, getattr(self, key), what=" (fix the model config)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads} "
+                             "(fix the model config)")
 
     @classmethod
     def from_config(cls, config: dict, *, bytes_per_param: int = 2) -> "ModelShape":
         """Shape from a HF ``config.json`` dict (``head_dim`` defaults to hidden / heads,
-        ``num_key_value_heads`` to the heads, ``tie_word_embeddings`` to False).
+        ``num_key_value_heads`` to the heads, ``tie_word_embeddings`` and ``attention_bias`` to False
+        as in ``Qwen3Config``; ``qk_norm`` when ``model_type`` starts with ``qwen3``).
 
         Raises:
             ValueError: a required key missing (pass the model's own config.json) or a size < 1.
@@ -121,7 +128,18 @@ class ModelShape:
         return cls(H, config["num_hidden_layers"], heads, config.get("num_key_value_heads") or heads,
                    config.get("head_dim") or H // heads, config["intermediate_size"], config["vocab_size"],
                    bool(config.get("tie_word_embeddings", False)),
-                   str(config.get("model_type", "")).startswith("qwen3"), bytes_per_param)
+                   str(config.get("model_type", "")).startswith("qwen3"), bytes_per_param,
+                   bool(config.get("attention_bias", False)))
+
+    @property
+    def q_dim(self) -> int:
+        """``num_heads * head_dim``, the width of the queries (and of attention's output)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """``num_kv_heads * head_dim``, the width of the keys and of the values."""
+        return self.num_kv_heads * self.head_dim
 
     @property
     def layer_matmul_params(self) -> int:
@@ -131,8 +149,10 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        """One layer's parameters: matmuls, two RMSNorms ``2 H``, q/k norms ``2 hd`` (no biases)."""
-        return self.layer_matmul_params + 2 * self.hidden_size + 2 * self.head_dim * self.qk_norm
+        """One layer's parameters: matmuls, two RMSNorms ``2 H``, q/k norms ``2 hd`` (when ``qk_norm``)
+        and the q, k, v, o biases ``q_dim + 2 kv_dim + H`` (when ``attention_bias``)."""
+        bias = (self.q_dim + 2 * self.kv_dim + self.hidden_size) * self.attention_bias
+        return self.layer_matmul_params + 2 * self.hidden_size + 2 * self.head_dim * self.qk_norm + bias
 
     @property
     def matmul_params(self) -> int:
@@ -140,10 +160,19 @@ class ModelShape:
         return self.num_layers * self.layer_matmul_params + self.vocab_size * self.hidden_size
 
     @property
+    def non_embedding_params(self) -> int:
+        """Kaplan's N: ``num_layers * layer_params`` + the final norm ``H`` (no embedding, no head)."""
+        return self.num_layers * self.layer_params + self.hidden_size
+
+    @property
+    def embedding_params(self) -> int:
+        """``V H`` for the embedding, twice when the head is not tied to it."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
+
+    @property
     def param_count(self) -> int:
         """All parameters: embedding ``V H``, layers, final norm ``H``, an untied head ``V H``."""
-        VH = self.vocab_size * self.hidden_size
-        return VH * (1 if self.tie_embeddings else 2) + self.num_layers * self.layer_params + self.hidden_size
+        return self.embedding_params + self.non_embedding_params
 
     @property
     def weight_bytes(self) -> int:
@@ -155,7 +184,7 @@ class ModelShape:
     @property
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes per context token: ``2 x layers x kv_heads x head_dim x bytes_per_param``."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_param
+        return 2 * self.num_layers * self.kv_dim * self.bytes_per_param
 
     def flops_per_token(self, context: int) -> int:
         """Forward FLOPs of one token over ``context`` cached tokens:
