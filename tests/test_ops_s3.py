@@ -15,6 +15,7 @@ from cache_schema import open_cache
 from cache_schema.layout import shard_group_key
 from ops.__main__ import main
 from test_ops import SMALL, build, commit, crash, make_fp, make_sample, run
+from test_verify_cursor import interrupting
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
@@ -64,13 +65,7 @@ def test_interrupted_verify_resumes_and_relists_finished_shards(s3_url, tmp_path
     root = build(s3_url, {i: [make_sample(i, 12)] for i in range(5)})
     cursor, calls, real = tmp_path / "cursor.jsonl", [], ops.verify.verify_shard
 
-    def interrupt_third(r, i):
-        calls.append(i)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(r, i)
-
-    monkeypatch.setattr(ops.verify, "verify_shard", interrupt_third)
+    monkeypatch.setattr(ops.verify, "verify_shard", interrupting(real, calls))
     assert main(["verify", s3_url, "--cursor", str(cursor), "--workers", "1"]) == 130
     assert "interrupted after 2 of 5 shards; rerun the same command" in capsys.readouterr().err
     saved = [json.loads(line) for line in cursor.read_text().splitlines()]

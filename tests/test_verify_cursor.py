@@ -50,6 +50,17 @@ def reads(monkeypatch) -> list[int]:
     return calls
 
 
+def interrupting(real, calls: list, at: int = 3):
+    """A stand-in for ``ops.verify.verify_shard`` that records each shard and raises Ctrl-C at the
+    ``at``-th call, so a verify stops after ``at - 1`` shards as a user's interrupt would."""
+    def verify_shard(r, i):
+        calls.append(i)
+        if len(calls) == at:
+            raise KeyboardInterrupt
+        return real(r, i)
+    return verify_shard
+
+
 def test_an_untouched_cache_verified_again_is_relisted_not_reread(verified, reads, capsys):
     url, cursor = verified
     header, *entries = [json.loads(line) for line in cursor.read_text().splitlines()]
@@ -255,13 +266,7 @@ def test_an_interrupted_verify_resumes_and_still_finds_damage_to_finished_shards
     url, cursor, calls, real = str(tmp_path / "cache"), tmp_path / "c.jsonl", [], ops.verify.verify_shard
     build(url, {i: [make_sample(i, 12)] for i in range(5)})
 
-    def interrupt_third(r, i):
-        calls.append(i)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(r, i)
-
-    monkeypatch.setattr(ops.verify, "verify_shard", interrupt_third)
+    monkeypatch.setattr(ops.verify, "verify_shard", interrupting(real, calls))
     assert main(["verify", url, "--cursor", str(cursor), "--workers", "1"]) == 130
     assert "interrupted after 2 of 5 shards; rerun the same command" in capsys.readouterr().err
     _object(url, 0, "input_ids/c/0").unlink()  # a shard finished before the interrupt, damaged since
