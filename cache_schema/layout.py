@@ -22,8 +22,8 @@ Arrays of one shard group (n samples, N tokens, N_sup last-hidden rows, W = L*H 
 
 The group attributes hold ``schema_version``, ``sample_ids`` and ``content_hashes`` (lists of str).
 Zarr 3.1 has no bfloat16 dtype, so bf16 is stored bit-exactly as uint16 with an ``encoding``
-attribute; every array is written in one call with ``write_empty_chunks`` on, so each zarr shard
-object exists exactly once and can be checked against the commit record.
+attribute; every zarr shard object (``write_empty_chunks`` semantics: padding chunks included) is
+written whole, once, so each exists exactly once and can be checked against the commit record.
 """
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ import hashlib
 import json
 import math
 import re
+import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,6 +73,7 @@ FP8_E4M3_MAX = 448.0
 _SHARD_NAME = re.compile(r"^s(\d+)$")
 _HEX = re.compile(r"^[0-9a-fA-F]+$")
 MiB = 2**20
+HASH_PIECE_BYTES = 4 * MiB  # piece of the hash and finiteness passes (bounds their temporaries)
 
 
 def shard_name(shard_index: int) -> str:
@@ -194,13 +196,13 @@ def check_finite(sample: CacheSample, where: str) -> None:
 
 
 def check_sample(sample: CacheSample, *, feature_width: int, hidden_size: int, max_length: int) -> None:
-    """Validate dtypes, shapes, mask values, provenance and finiteness of one sample.
+    """Validate dtypes, shapes, mask values and provenance of one sample (finiteness is checked on the
+    stored bits by :meth:`ShardBuffer.check_finite`, without a float copy).
 
     Args:
         feature_width: expected L*H; hidden_size: expected H; max_length: longest allowed T.
     Raises:
         InvalidSampleError: wrong dtype, shape, mask value, T_sup or provenance (message names it).
-        NonFiniteSampleError: NaN or inf in features or last_hidden.
     """
     expected = {"input_ids": torch.int32, "loss_mask": torch.uint8,
                 "features": torch.bfloat16, "last_hidden": torch.bfloat16}
@@ -230,7 +232,6 @@ def check_sample(sample: CacheSample, *, feature_width: int, hidden_size: int, m
             raise _fail(sample, f"{name} must be an int >= 0, got {value!r}")
     if not isinstance(sample.content_hash, str) or not _HEX.match(sample.content_hash):
         raise _fail(sample, f"content_hash must be a non-empty hex str, got {sample.content_hash!r}")
-    check_finite(sample, "on write")
 
 
 def bf16_to_bits(t: torch.Tensor) -> np.ndarray:
@@ -265,18 +266,6 @@ def dequantize_fp8(bits: np.ndarray, scale: np.ndarray) -> torch.Tensor:
     return (q * torch.from_numpy(np.ascontiguousarray(scale))[:, None]).to(torch.bfloat16)
 
 
-class EncodedShard(NamedTuple):
-    """Numpy arrays of one shard group, their zarr attributes, and the group attributes."""
-
-    arrays: dict[str, np.ndarray]
-    array_attributes: dict[str, dict[str, Any]]
-    group_attributes: dict[str, Any]
-
-
-def _cat(tensors: list[torch.Tensor], empty: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat(tensors) if tensors else torch.zeros(empty, dtype=dtype)
-
-
 def _offsets(lengths: list[int]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
 
@@ -303,42 +292,142 @@ def array_specs(num_samples: int, num_tokens: int, num_hidden_rows: int, *, feat
     return {k: (np.dtype(d), s) for k, (d, s) in out.items()}
 
 
-def encode_shard(samples: list[CacheSample], *, feature_dtype: str, feature_width: int,
-                 hidden_size: int) -> EncodedShard:
-    """Concatenate validated samples into the flat token-major arrays of one shard group.
+class ShardBuffer:
+    """One shard's arrays in their stored encoding (:func:`array_specs`), preallocated and filled
+    sample by sample: the streaming writer's only copy of a shard.
+
+    Each sample is copied once into its rows as it arrives (in any order, e.g. a prefill batch's
+    length-sorted samples), so a shard is held once instead of as per-sample tensors plus their
+    concatenation plus a ``tobytes`` copy for the checksum. :meth:`check_finite` and
+    :meth:`checksums` then read the stored bits in pieces, without copies;
+    :meth:`cache_schema.writer.CacheRoot.commit_shard` writes and commits the buffer.
 
     Args:
-        samples: samples already passed through :func:`check_sample` (may be empty).
-        feature_dtype: "bf16" (bit-exact) or "fp8_e4m3" (per-token scale).
-        feature_width, hidden_size: L*H and H, used for the shapes of an empty shard.
+        num_tokens: T of each sample, in stored order; num_hidden_rows: its T_sup (``loss_mask[1:].sum()``).
+        feature_dtype: "bf16" or "fp8_e4m3"; feature_width: L*H; hidden_size: H; max_length: longest T
+            (the fingerprint's values).
+    Attributes:
+        arrays: array name -> numpy array; array_attributes; group_attributes (filled by :meth:`put`).
+        seconds: wall seconds of put (``copy``), check_finite (``check``), checksums (``hash``) and
+            the storage write of :meth:`~cache_schema.writer.CacheRoot.commit_shard` (``put``).
+    Raises:
+        InvalidSampleError: lengths of different counts, or a T or T_sup out of range.
     """
-    features = _cat([s.features for s in samples], (0, feature_width), torch.bfloat16)
-    arrays: dict[str, np.ndarray] = {
-        INPUT_IDS: _cat([s.input_ids for s in samples], (0,), torch.int32).numpy(),
-        LOSS_MASK: _cat([s.loss_mask for s in samples], (0,), torch.uint8).numpy(),
-        LAST_HIDDEN: bf16_to_bits(_cat([s.last_hidden for s in samples], (0, hidden_size),
-                                       torch.bfloat16)),
-        OFFSETS: _offsets([s.num_tokens for s in samples]),
-        SUP_OFFSETS: _offsets([s.num_hidden_rows for s in samples]),
-        SOURCE: np.array([s.source for s in samples], dtype=np.int32),
-        ROW: np.array([s.row for s in samples], dtype=np.int64),
-    }
-    attrs: dict[str, dict[str, Any]] = {LAST_HIDDEN: {ATTR_ENCODING: BF16_BITS}}
-    if feature_dtype == "fp8_e4m3":
-        arrays[FEATURES], arrays[FEATURE_SCALE] = quantize_fp8(features)
-        attrs[FEATURES] = {ATTR_ENCODING: FP8_E4M3_BITS}
-    else:
-        arrays[FEATURES] = bf16_to_bits(features)
-        attrs[FEATURES] = {ATTR_ENCODING: BF16_BITS}
-    group = {"schema_version": SCHEMA_VERSION,
-             ATTR_SAMPLE_IDS: [s.sample_id for s in samples],
-             ATTR_CONTENT_HASHES: [s.content_hash for s in samples]}
-    specs = array_specs(len(samples), len(arrays[INPUT_IDS]), len(arrays[LAST_HIDDEN]), feature_width=feature_width,
-                        hidden_size=hidden_size, feature_dtype=feature_dtype)
-    got = {k: (a.dtype, a.shape) for k, a in arrays.items()}
-    assert got == specs, f"encode_shard disagrees with array_specs: {got} != {specs}"
-    return EncodedShard(arrays, attrs, group)
 
+    def __init__(self, num_tokens: list[int], num_hidden_rows: list[int], *, feature_dtype: str,
+                 feature_width: int, hidden_size: int, max_length: int):
+        num_tokens, num_hidden_rows = [int(t) for t in num_tokens], [int(t) for t in num_hidden_rows]
+        if len(num_tokens) != len(num_hidden_rows) or any(
+                not 0 < t <= max_length or not 0 <= s < t for t, s in zip(num_tokens, num_hidden_rows)):
+            raise InvalidSampleError(
+                f"a shard needs one T in 1..{max_length} and one T_sup in 0..T-1 per sample, got "
+                f"{len(num_tokens)} T and {len(num_hidden_rows)} T_sup values; pass each sample's input_ids "
+                "length and loss_mask[1:].sum()")
+        self.feature_dtype, self.feature_width, self.hidden_size = feature_dtype, feature_width, hidden_size
+        self.max_length = max_length
+        self.offsets, self.sup_offsets = _offsets(num_tokens), _offsets(num_hidden_rows)
+        n = len(num_tokens)
+        specs = array_specs(n, int(self.offsets[-1]), int(self.sup_offsets[-1]), feature_width=feature_width,
+                            hidden_size=hidden_size, feature_dtype=feature_dtype)
+        self.arrays = {name: np.empty(shape, dtype) for name, (dtype, shape) in specs.items()}
+        self.arrays[OFFSETS][:], self.arrays[SUP_OFFSETS][:] = self.offsets, self.sup_offsets
+        encoding = FP8_E4M3_BITS if feature_dtype == "fp8_e4m3" else BF16_BITS
+        self.array_attributes = {LAST_HIDDEN: {ATTR_ENCODING: BF16_BITS}, FEATURES: {ATTR_ENCODING: encoding}}
+        self._ids: list[str | None] = [None] * n
+        self._hashes: list[str | None] = [None] * n
+        self.seconds = {"copy": 0.0, "check": 0.0, "hash": 0.0, "put": 0.0}
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all arrays (the shard's stored, uncompressed size)."""
+        return sum(a.nbytes for a in self.arrays.values())
+
+    @property
+    def sample_ids(self) -> list[str | None]:
+        """Sample id per position (None where nothing was put yet)."""
+        return list(self._ids)
+
+    @property
+    def group_attributes(self) -> dict[str, Any]:
+        """The shard group's attributes (schema version, sample ids, content hashes)."""
+        return {"schema_version": SCHEMA_VERSION, ATTR_SAMPLE_IDS: list(self._ids),
+                ATTR_CONTENT_HASHES: list(self._hashes)}
+
+    def missing(self) -> list[int]:
+        """Positions no sample was put at yet."""
+        return [k for k, i in enumerate(self._ids) if i is None]
+
+    def put(self, position: int, sample: CacheSample) -> None:
+        """Validate ``sample`` (:func:`check_sample`) and copy it into its rows (one copy; bf16 bits
+        as they are, fp8 quantised per token by :func:`quantize_fp8`).
+
+        Args:
+            position: the sample's index in the shard (stored order), each put once.
+            sample: a CacheSample on the CPU whose T and T_sup are the ones given for ``position``.
+        Raises:
+            InvalidSampleError: bad position, a position put twice, another T or T_sup, or any
+                :func:`check_sample` failure.
+        """
+        t0 = time.perf_counter()
+        if not 0 <= position < len(self) or self._ids[position] is not None:
+            raise _fail(sample, f"position {position} is outside 0..{len(self) - 1} or was already put; "
+                                "put each sample of the shard once")
+        check_sample(sample, feature_width=self.feature_width, hidden_size=self.hidden_size,
+                     max_length=self.max_length)
+        a, b = (int(x) for x in self.offsets[position:position + 2])
+        c, d = (int(x) for x in self.sup_offsets[position:position + 2])
+        if (sample.num_tokens, sample.num_hidden_rows) != (b - a, d - c):
+            raise _fail(sample, f"has T={sample.num_tokens}, T_sup={sample.num_hidden_rows} but position {position} "
+                                f"was sized for T={b - a}, T_sup={d - c}; size the shard from the samples' own lengths")
+        arrays = self.arrays
+        _as_torch(arrays[INPUT_IDS][a:b]).copy_(sample.input_ids)
+        _as_torch(arrays[LOSS_MASK][a:b]).copy_(sample.loss_mask)
+        _as_torch(arrays[LAST_HIDDEN][c:d]).copy_(sample.last_hidden)
+        if self.feature_dtype == "fp8_e4m3":
+            arrays[FEATURES][a:b], arrays[FEATURE_SCALE][a:b] = quantize_fp8(sample.features)
+        else:
+            _as_torch(arrays[FEATURES][a:b]).copy_(sample.features)
+        arrays[SOURCE][position], arrays[ROW][position] = sample.source, sample.row
+        self._ids[position], self._hashes[position] = sample.sample_id, sample.content_hash
+        self.seconds["copy"] += time.perf_counter() - t0
+
+    def check_finite(self, where: str) -> None:
+        """Raise NonFiniteSampleError naming the first sample whose features or last_hidden hold NaN
+        or inf, read from the stored bits in pieces (bf16: :func:`nonfinite_bf16_bits`; fp8: a NaN or
+        inf input makes its token's scale non-finite, :func:`quantize_fp8`). ``where`` is for the message."""
+        t0 = time.perf_counter()
+        fp8 = self.feature_dtype == "fp8_e4m3"
+        for k in range(len(self)):
+            a, b = self.offsets[k:k + 2]
+            c, d = self.sup_offsets[k:k + 2]
+            bad = [FEATURES] if (not bool(np.isfinite(self.arrays[FEATURE_SCALE][a:b]).all()) if fp8
+                                 else _any_nonfinite(self.arrays[FEATURES][a:b])) else []
+            bad += [LAST_HIDDEN] if _any_nonfinite(self.arrays[LAST_HIDDEN][c:d]) else []
+            if bad:
+                raise NonFiniteSampleError(
+                    f"sample {self._ids[k]!r} (source {int(self.arrays[SOURCE][k])}, row {int(self.arrays[ROW][k])}) "
+                    f"has NaN or inf in {bad[0]} {where}; recompute it (check the target's dtype and inputs) "
+                    "or skip the row")
+        self.seconds["check"] += time.perf_counter() - t0
+
+    def checksums(self) -> dict[str, str]:
+        """SHA-256 of each array's stored bytes (:func:`array_sha256`), keyed by array name."""
+        t0 = time.perf_counter()
+        out = {name: array_sha256(a) for name, a in self.arrays.items()}
+        self.seconds["hash"] += time.perf_counter() - t0
+        return out
+
+
+def _as_torch(a: np.ndarray) -> torch.Tensor:
+    """A torch view of a numpy array (uint16 bits as bfloat16), for a copy_ that converts nothing."""
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == np.uint16 else torch.from_numpy(a)
+
+
+def _any_nonfinite(bits: np.ndarray) -> bool:
+    return any(nonfinite_bf16_bits(p) for p in row_pieces(bits, HASH_PIECE_BYTES))
 
 def decode_sample(parts: dict[str, np.ndarray], *, feature_encoding: str, sample_id: str,
                   content_hash: str, source: int, row: int) -> CacheSample:
@@ -365,8 +454,32 @@ def decode_sample(parts: dict[str, np.ndarray], *, feature_encoding: str, sample
 
 
 def array_sha256(a: np.ndarray) -> str:
-    """SHA-256 hex digest of an array's C-order bytes (the stored encoding, e.g. bf16 bits)."""
-    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+    """SHA-256 hex digest of an array's C-order bytes (the stored encoding, e.g. bf16 bits).
+
+    Hashes row pieces of at most ``HASH_PIECE_BYTES`` in order (hashlib ``update``, no ``tobytes``
+    copy of a contiguous array): the digest equals ``sha256(a.tobytes())``.
+    """
+    a = np.ascontiguousarray(a)
+    digest = hashlib.sha256()
+    for piece in row_pieces(a, HASH_PIECE_BYTES):
+        digest.update(piece)
+    return digest.hexdigest()
+
+
+def row_pieces(a: np.ndarray, piece_bytes: int) -> list[np.ndarray]:
+    """Views of consecutive whole-row pieces of ``a`` (C order), each at most ``piece_bytes`` (at least
+    one row); a 0-d or empty array gives ``[a]`` or ``[]``."""
+    if a.ndim == 0:
+        return [a]
+    step = max(1, piece_bytes // max(1, a[:1].nbytes))
+    return [a[i:i + step] for i in range(0, len(a), step)]
+
+
+def nonfinite_bf16_bits(bits: np.ndarray) -> bool:
+    """Whether any bf16 value stored as uint16 ``bits`` is NaN or inf: its exponent bits are all ones,
+    ``bits & 0x7FFF >= 0x7F80`` (bfloat16 = sign 1, exponent 8, mantissa 7 bits; IEEE 754). One
+    integer pass over the stored bits, no float copy."""
+    return bits.size > 0 and int(np.bitwise_and(bits, 0x7FFF).max()) >= 0x7F80
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -191,7 +191,8 @@ class GenerateConfig:
     top_k: int = 20
     max_new_tokens: int = 4096  # per answer, reasoning + answer together
     seed: int = 0
-    batch_size: int = 16
+    batch_size: int = 16  # prompts per HF generate call (one padded batch); vLLM takes a shard's round at once
+    max_num_seqs: Optional[int] = None  # vLLM: requests running at once (None: vLLM's default)
     rows_per_shard: int = 256
     max_rows: Optional[int] = None
 
@@ -206,6 +207,7 @@ class CacheConfig:
     max_tokens_per_batch: int = 16384  # length-aware batching cap (padded tokens per prefill batch)
     num_workers: int = 1  # prefill actors
     gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0  # logical CPUs of each actor: its prefill and its overlapped shard write
     storage_budget_bytes: Optional[int] = None  # refuse to start when the estimate exceeds it
     max_rows: Optional[int] = None
 
@@ -281,6 +283,9 @@ class CalibrateConfig:
     grid_step: float = 0.01
     # at most this many held-out samples (the first ones, in the held-out shards' stored order); None = all
     max_samples: Optional[int] = None
+    # the Ray task that runs the drafters asks for these (pipeline.stages.calibrate.run_task); gpus 0 = in the driver
+    gpus: float = 0
+    cpus: float = 1
 
 
 @dataclass
@@ -299,7 +304,11 @@ class EvaluateConfig:
     sps_table: Optional[str] = None  # JSON SPS curve; profiled on this machine when unset
     block_samples: int = 256  # held-out cache samples of the paired block-level evaluation (0 = off)
     block_anchors: int = 64  # anchors per held-out sample there (blocks = samples x anchors at most)
+    block_chunk: int = 16  # blocks whose [block_size, V] float32 distributions are held at once there
     seed: int = 0
+    # the Ray task that runs the target and drafters asks for these (pipeline.stages.calibrate.run_task); gpus 0 = in the driver
+    gpus: float = 0
+    cpus: float = 1
 
 
 @dataclass
@@ -347,11 +356,14 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.data.min_loss_tokens >= 1, "data.min_loss_tokens",
            f"must be >= 1 (got {cfg.data.min_loss_tokens})")
     _check(cfg.cache.rows_per_shard >= 1, "cache.rows_per_shard", "must be >= 1")
+    _check(cfg.cache.cpus_per_worker > 0, "cache.cpus_per_worker", f"must be > 0 (got {cfg.cache.cpus_per_worker})")
     gen = cfg.generate
     _check(gen.rows_per_shard >= 1, "generate.rows_per_shard", "must be >= 1")
     _check(gen.temperature >= 0, "generate.temperature", f"must be >= 0, 0 = greedy (got {gen.temperature})")
     _check(0 < gen.top_p <= 1, "generate.top_p", f"must be in (0, 1], 1 disables it (got {gen.top_p})")
     _check(gen.max_new_tokens >= 1, "generate.max_new_tokens", f"must be >= 1 (got {gen.max_new_tokens})")
+    _check(gen.max_num_seqs is None or gen.max_num_seqs >= 1, "generate.max_num_seqs",
+           f"must be >= 1, or null for vLLM's default (got {gen.max_num_seqs})")
     _check(cfg.cache.compression in ("none", "zstd"), "cache.compression",
            f"must be none or zstd (got {cfg.cache.compression!r})")
     _check(cfg.cache.max_tokens_per_batch >= cfg.data.max_length, "cache.max_tokens_per_batch",

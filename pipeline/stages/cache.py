@@ -3,8 +3,10 @@
 Pipeline (Ray Data): plan spans (one shard = a fixed row range of one input file) -> skip
 committed shards -> render and tokenize each shard's rows (CPU tasks) -> size estimate and budget
 check -> an actor pool of prefill writers, one shard per call: length-aware batches, hooks capture
-the target layers, the actor writes and commits the shard itself and returns only metadata (no
-tensor crosses the object store). A rerun skips committed shards and rewrites uncommitted ones, so
+the target layers, each batch's real rows are copied straight into the shard's buffer
+(:class:`cache_schema.layout.ShardBuffer`), the actor writes and commits the shard itself and returns
+only metadata (no tensor crosses the object store). Each actor runs two calls at once (``cache.cpus_per_worker``
+CPUs): shard k is written and committed while shard k+1 is prefilled. A rerun skips committed shards and rewrites uncommitted ones, so
 a killed run ends, after a rerun, with exactly the samples of an uninterrupted one.
 """
 from __future__ import annotations
@@ -14,9 +16,10 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from functools import lru_cache
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -24,7 +27,7 @@ from cache_schema import (CacheSample, Fingerprint, StorageConfig, StorageUnavai
                           open_cache, shard_overhead_bytes, tensor_sha256)
 from cache_schema.errors import storage_call
 from cache_schema.fingerprint import chat_template_sha256, tokenizer_sha256
-from cache_schema.layout import shard_name
+from cache_schema.layout import ShardBuffer, shard_name
 from pipeline.chats.ingest import BadRow, RowCounts, RowError, ShardSpan, iter_chats, plan_shards
 from pipeline.config import RunConfig
 from pipeline.errors import PipelineError, ShardPlanMismatchError
@@ -34,6 +37,9 @@ from pipeline.paths import resolve_input
 from pipeline.stages.sharded import check_spans, item_span, pending, run_actor_pool, span_item
 
 log = logging.getLogger("pipeline.stages.cache")
+
+
+CONCURRENT_SHARDS = 2  # calls per prefill actor at once: one shard prefilling while the previous one is written
 
 
 class StorageBudgetError(PipelineError):
@@ -171,9 +177,11 @@ class ShardPrefillWriter:
         self.local_dir = local_dir or resolve_target_path(cfg.target.path)
         self.max_tokens = cfg.cache.max_tokens_per_batch
         self.writer_id = f"{socket.gethostname()}:{os.getpid()}"
+        self._prefill_lock, self._write_lock = threading.Lock(), threading.Lock()
 
-    def _samples(self, work: dict[str, Any]) -> tuple[list[CacheSample], float]:
-        """The shard's samples, prefilled (stored order), and the prefill seconds."""
+    def _prefilled(self, work: dict[str, Any]) -> Iterator[tuple[int, CacheSample]]:
+        """The shard's samples as ``(position in the shard, sample)``, one length-aware prefill batch
+        at a time (positions in batch order; features are views of the batch's host output)."""
         import torch
 
         from pipeline.target_model.prefill import length_batches
@@ -182,45 +190,69 @@ class ShardPrefillWriter:
         all_ids, all_mask = np.array(work["ids"], dtype=np.int32), np.array(work["mask"], dtype=np.uint8)
         ids = [all_ids[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
         masks = [all_mask[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
-        t0 = time.perf_counter()
-        outs = [None] * len(ids)
+        source, hashes, rows = int(work["source"]), json.loads(work["hashes"]), work["rows"]
         for batch in length_batches([len(x) for x in ids], self.max_tokens):
-            for i, out in zip(batch, self.prefill([ids[i] for i in batch], [masks[i] for i in batch])):
-                outs[i] = out
-        source, hashes = int(work["source"]), json.loads(work["hashes"])
-        samples = [CacheSample(input_ids=torch.as_tensor(x), loss_mask=torch.as_tensor(m),
-                               features=o.features, last_hidden=o.last_hidden,
-                               sample_id=f"{source}-{int(r)}", source=source, row=int(r), content_hash=h)
-                   for x, m, o, r, h in zip(ids, masks, outs, work["rows"], hashes)]
-        return samples, time.perf_counter() - t0
+            for i, o in zip(batch, self.prefill([ids[i] for i in batch], [masks[i] for i in batch])):
+                yield i, CacheSample(input_ids=torch.as_tensor(ids[i]), loss_mask=torch.as_tensor(masks[i]),
+                                     features=o.features, last_hidden=o.last_hidden,
+                                     sample_id=f"{source}-{int(rows[i])}", source=source, row=int(rows[i]),
+                                     content_hash=hashes[i])
 
-    def _write(self, shard: int, work: dict[str, Any], samples: list[CacheSample]):
-        """Quarantine, data objects, then the commit record (cache_schema's protocol)."""
+    def _samples(self, work: dict[str, Any]) -> list[CacheSample]:
+        """The shard's samples, prefilled, in stored order (the stream path's rows)."""
+        samples: list[CacheSample | None] = [None] * int(work["num_samples"])
+        for i, sample in self._prefilled(work):
+            samples[i] = sample
+        return samples
+
+    def _fill(self, work: dict[str, Any]) -> ShardBuffer:
+        """Prefill the shard straight into its :class:`ShardBuffer`, batch by batch (each batch's host
+        output is copied into its rows, then dropped: the shard is held once)."""
+        offsets, mask = np.asarray(work["offsets"]), np.asarray(work["mask"])
+        buffer = self.root.new_shard(np.diff(offsets).tolist(),
+                                     [int(mask[a + 1:b].sum()) for a, b in zip(offsets[:-1], offsets[1:])])
+        for i, sample in self._prefilled(work):
+            buffer.put(i, sample)
+        return buffer
+
+    def _quarantine(self, shard: int, work: dict[str, Any]) -> dict[str, Any]:
+        """Write the shard's quarantine (before anything of the shard: the commit record must never
+        precede it) and return the commit record's ``extra``."""
         bad = json.loads(work["bad"])
-        extra = {"skipped": json.loads(work["skipped"]), "source": int(work["source"]),
-                 "rows": [int(work["row_start"]), int(work["row_end"])]}
-        if bad:  # quarantine first: the commit record must never precede anything of the shard
+        if bad:
             url = join(self.root.url, "quarantine", f"{shard_name(shard)}.jsonl")
             with storage_call(url, f"writing the quarantine of shard {shard} to"):
                 fs, path = filesystem(url)
                 fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
                 fs.pipe_file(path, "".join(json.dumps(b) + "\n" for b in bad).encode())
-        return self.root.write_shard(shard, samples, writer_id=self.writer_id, extra=extra)
+        return {"skipped": json.loads(work["skipped"]), "source": int(work["source"]),
+                "rows": [int(work["row_start"]), int(work["row_end"])]}
 
     def __call__(self, work: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        """Prefill, write and commit one rendered shard; returns its metadata (``error`` holds a storage
+        failure's one-line message). Thread-safe: the cache stage runs two calls per actor at once
+        (:data:`CONCURRENT_SHARDS`), so shard k's write and commit overlap shard k+1's prefill; a lock
+        keeps one shard on the target and one being written (at most two shard buffers held)."""
         if self.emit:
             return self._stream(work)
         shard = int(work["shard"])
-        t0 = time.perf_counter()
-        samples, prefill_s = self._samples(work)
-        try:
-            record = self._write(shard, work, samples)
-        except StorageUnavailableError as exc:  # reported by the driver as one line, not a worker traceback
-            return {"shard": shard, "num_samples": 0, "num_tokens": 0, "bytes": 0, "prefill_seconds": prefill_s,
-                    "busy_seconds": time.perf_counter() - t0, "error": str(exc)}
-        return {"shard": shard, "num_samples": record.num_samples, "num_tokens": record.num_tokens,
-                "bytes": record.total_bytes, "prefill_seconds": prefill_s,
-                "busy_seconds": time.perf_counter() - t0, "error": ""}
+        with self._prefill_lock:
+            t0 = time.perf_counter()
+            buffer = self._fill(work)
+            prefill_s = time.perf_counter() - t0
+        with self._write_lock:
+            t1 = time.perf_counter()
+            try:
+                record = self.root.commit_shard(shard, buffer, writer_id=self.writer_id,
+                                                extra=self._quarantine(shard, work))
+                meta = {"num_samples": record.num_samples, "num_tokens": record.num_tokens,
+                        "bytes": record.total_bytes, "error": ""}
+            except StorageUnavailableError as exc:  # reported by the driver as one line, not a worker traceback
+                meta = {"num_samples": 0, "num_tokens": 0, "bytes": 0, "error": str(exc)}
+            write_s = time.perf_counter() - t1
+        # busy: prefill + write + commit of this shard, lock waits excluded (the overlap is not subtracted)
+        return {"shard": shard, **meta, "prefill_seconds": prefill_s, "write_seconds": write_s,
+                "busy_seconds": prefill_s + write_s}
 
     def _stream(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         """Stream rows of one shard item of :func:`pipeline.stages.stream.shard_items`."""
@@ -235,9 +267,9 @@ class ShardPrefillWriter:
         else:
             span = ShardSpan(**{k: item[k] for k in ShardSpan.__dataclass_fields__})
             work = render_shard(span, shard, self.cfg, self.local_dir)
-            samples, _ = self._samples(work)
-            if self.write:
-                self._write(shard, work, samples)  # a storage failure stops the stream: hybrid must commit
+            samples = self._samples(work)
+            if self.write:  # a storage failure stops the stream: hybrid must commit
+                self.root.write_shard(shard, samples, writer_id=self.writer_id, extra=self._quarantine(shard, work))
         now = time.time()
         first = int(item["index"])
         return [sample_row(samples[p].input_ids, samples[p].loss_mask, samples[p].features, samples[p].last_hidden,
@@ -330,7 +362,8 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
         pool = run_actor_pool(rendered, ShardPrefillWriter, (cfg, root_url, fp, storage),
                               workers=cfg.cache.num_workers, gpus=cfg.cache.gpus_per_worker or None, desc="cache",
                               unit="tok", total=tokens, advance="num_tokens",
-                              postfix=lambda t: {"MiB": f"{t.get('bytes', 0) / 2**20:.1f}"})
+                              postfix=lambda t: {"MiB": f"{t.get('bytes', 0) / 2**20:.1f}"},
+                              cpus=cfg.cache.cpus_per_worker, concurrent_calls=CONCURRENT_SHARDS)
         run["shards_written"] = len(pool.metas)
         n_tok, busy = pool.totals.get("num_tokens", 0), pool.totals.get("busy_seconds", 0.0)
         run["prefill_tokens_per_s"] = round(n_tok / max(pool.seconds, 1e-9), 1)

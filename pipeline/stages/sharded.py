@@ -74,9 +74,12 @@ class PoolRun:
 
 def run_actor_pool(ds, actor: type, ctor_args: tuple, *, workers: int, gpus: float | None, desc: str,
                    unit: str, total: int, advance: str,
-                   postfix: Callable[[dict[str, float]], dict[str, Any]]) -> PoolRun:
+                   postfix: Callable[[dict[str, float]], dict[str, Any]], cpus: float = 1.0,
+                   concurrent_calls: int = 1) -> PoolRun:
     """Map ``actor`` over ``ds`` (a Ray Dataset, one row per shard) with a pool of ``workers`` actors
-    of one CPU (and ``gpus`` GPUs) each; show progress; gather the shards that failed on storage.
+    of ``cpus`` CPUs (and ``gpus`` GPUs) each; show progress; gather the shards that failed on storage.
+    ``concurrent_calls`` > 1 runs that many calls of one actor at once, in threads (the actor must be
+    thread-safe; the cache stage overlaps one shard's write with the next one's prefill).
 
     Each call returns one metadata dict per shard with an ``"error"`` key: empty when the shard was
     committed (or already was), else the one-line :class:`StorageUnavailableError` message of a write
@@ -92,8 +95,9 @@ def run_actor_pool(ds, actor: type, ctor_args: tuple, *, workers: int, gpus: flo
     import ray
     from tqdm import tqdm
 
-    mapped = ds.map(actor, fn_constructor_args=ctor_args, compute=ray.data.ActorPoolStrategy(size=workers),
-                    num_gpus=gpus, num_cpus=1)
+    strategy = ray.data.ActorPoolStrategy(size=workers, max_concurrent_calls_per_actor=concurrent_calls,
+                                          enable_true_multi_threading=concurrent_calls > 1)
+    mapped = ds.map(actor, fn_constructor_args=ctor_args, compute=strategy, num_gpus=gpus, num_cpus=cpus)
     t0, metas, failed, totals = time.perf_counter(), [], [], {}
     with tqdm(total=total, unit=unit, desc=desc, unit_scale=True) as bar:
         for meta in mapped.iter_rows():

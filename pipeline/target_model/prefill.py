@@ -120,26 +120,59 @@ class TargetPrefill:
     def __call__(self, input_ids: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]) -> list[PrefillOutput]:
         """Prefill one right-padded batch.
 
+        Only the real tokens leave the device: on CUDA the real rows of the features [sum T_i, L*H]
+        and the supervised rows of the final state [sum T_sup_i, H] are gathered on the device and
+        copied once into pinned host memory (an asynchronous DMA); on the CPU the outputs are views
+        of the batch's tensors, no copy. Padding rows are never copied.
+
         Args:
             input_ids: per sample int [T_i].
             loss_masks: per sample uint8 [T_i].
 
         Returns:
-            One :class:`PrefillOutput` per sample, equal (up to float rounding of batched kernels)
-            to a batch-1 forward: right padding never reaches real tokens under causal attention.
+            One :class:`PrefillOutput` per sample, bf16 on the CPU, equal (up to float rounding of
+            batched kernels) to a batch-1 forward: right padding never reaches real tokens under
+            causal attention. On CUDA the outputs of a batch share one pinned buffer.
         """
         lengths = [len(x) for x in input_ids]
         width = max(lengths)
         ids = torch.zeros(len(lengths), width, dtype=torch.long)
         attn = torch.zeros(len(lengths), width, dtype=torch.long)
+        sup = torch.zeros(len(lengths), width, dtype=torch.bool)
         for i, x in enumerate(input_ids):
             ids[i, : lengths[i]] = torch.as_tensor(np.asarray(x, dtype=np.int64))
             attn[i, : lengths[i]] = 1
+            sup[i, torch.as_tensor(next_supervised_positions(loss_masks[i]))] = True
         self.tap.base(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False)
-        feats = self.tap.features().to("cpu", torch.bfloat16)
-        final = self.tap.final().to("cpu", torch.bfloat16)
-        out = []
-        for i, n in enumerate(lengths):
-            pos = torch.as_tensor(next_supervised_positions(loss_masks[i]))
-            out.append(PrefillOutput(feats[i, :n].clone(), final[i, pos].clone()))
-        return out
+        feats, final = self.tap.features(), self.tap.final()
+        num_sup = sup.sum(dim=1).tolist()
+        if feats.device.type == "cpu":
+            feats, final = feats.to(torch.bfloat16), final.to(torch.bfloat16)
+            return [PrefillOutput(feats[i, :n], final[i][sup[i]]) for i, n in enumerate(lengths)]
+        real, rows = real_rows(feats, final, attn.to(self.device).bool(), sup.to(self.device))
+        real, rows = _to_host(real.to(torch.bfloat16)), _to_host(rows.to(torch.bfloat16))
+        return [PrefillOutput(f, h) for f, h in zip(real.split(lengths), rows.split(num_sup))]
+
+
+def real_rows(features: torch.Tensor, final: torch.Tensor, real: torch.Tensor,
+              supervised: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of a padded batch that leave the device, gathered on its device, samples in batch order.
+
+    Args:
+        features: [B, T_max, L*H] and final: [B, T_max, H], the captured states of a right-padded batch.
+        real: bool [B, T_max], the real tokens; supervised: bool [B, T_max], positions t with
+            ``loss_mask[t + 1] == 1``.
+    Returns:
+        (features of the real tokens [sum T_i, L*H], final state at the supervised positions
+        [sum T_sup_i, H]), sample by sample, positions ascending (split them by T_i and T_sup_i).
+    """
+    return features[real], final[supervised]
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """One copy of device tensor ``x`` into pinned host memory (PyTorch's caching host allocator
+    reuses the block), waited for before returning."""
+    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    out.copy_(x, non_blocking=True)
+    torch.cuda.current_stream(x.device).synchronize()
+    return out
