@@ -6,12 +6,16 @@ sample of an epoch is seen twice and none is skipped.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import dataclasses
+import itertools
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -151,43 +155,98 @@ def to_device(obj: Any, device: torch.device | str) -> Any:
     return _map_tensors(obj, move)
 
 
+READ_THREADS_PER_CPU = 2
+"""Prefetch reading threads per CPU of a train worker (``train.cpus_per_worker``): a thread mostly waits
+on its ranged GETs (zarr 3.1 reads a sample's ~48 chunks of 2 MiB one after the other), while the CPU
+work is ~1.5 s per GB read, decoded and collated (``bench/bench_reader.py``): a rank's 0.6 GB/s takes
+under one core, but ~13 GET streams at 30 ms per request, so 8 CPUs read on 16 threads."""
+
+
+def ordered_map(fn: Callable[[Any], Any], items: Iterable[Any], workers: int, ahead: int) -> Iterator[Any]:
+    """``fn(item)`` for every item, yielded in the order of ``items``, computed by ``workers`` threads
+    with at most ``ahead`` calls submitted but not yet yielded (the look-ahead that bounds memory).
+
+    ``concurrent.futures.Executor.map`` submits every item at once (unbounded memory); Python 3.14's
+    ``buffersize`` bounds it, this is that for 3.11. An exception of ``fn`` is raised here, at its item's
+    place in the order; calls not yet started are cancelled when the generator is closed.
+
+    Raises:
+        ValueError: ``workers`` or ``ahead`` < 1.
+    """
+    if workers < 1 or ahead < 1:
+        raise ValueError(f"workers={workers} and ahead={ahead} must be >= 1 (threads, calls in flight)")
+    it = iter(items)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prefetch") as pool:
+        pending: collections.deque[Future] = collections.deque(pool.submit(fn, x) for x in itertools.islice(it, ahead))
+        try:
+            while pending:
+                result = pending.popleft().result()
+                pending.extend(pool.submit(fn, x) for x in itertools.islice(it, 1))
+                yield result
+        finally:
+            for f in pending:
+                f.cancel()
+
+
 class Prefetcher:
-    """Reads micro-batches on a background thread so the step does not wait on storage.
+    """Reads micro-batches ahead of the step, samples in parallel, so the step does not wait on storage.
+
+    ``workers`` threads read and decode samples (:meth:`cache_schema.CacheReader.sample`: zarr's ranged
+    reads and copies, the finiteness pass over the bits; I/O waits and numpy's loops release the GIL,
+    so the threads overlap both: on S3, ``workers`` ranged GETs are in flight at once), at most
+    ``workers * 2`` samples ahead; one background thread takes them in the rank's order, groups them
+    into micro-batches and runs ``collate`` on each. The samples, micro-batches and their order are
+    those of ``workers=1``, exactly: only the time differs.
 
     Args:
-        reader: the rank's cache reader.
+        reader: the rank's cache reader (thread-safe: :class:`cache_schema.CacheReader`).
         order: ``(shard, position)`` list (from :func:`rank_order`).
         micro_batch: samples per micro-batch.
         start: micro-batches to skip (resume position); ``stop``: micro-batch count to end at.
-        depth: micro-batches read ahead.
+        depth: collated micro-batches held ready (each a micro-batch of decoded samples, plus its
+            collated, pinned copy with ``collate``: about ``2 * micro_batch * 63 MB`` at 2,048 tokens of
+            the Qwen3-4B recipe, 30.7 KB per token).
         collate: if given, run on the background thread over each micro-batch's sample mappings
             (e.g. :func:`training.blocks.collate_samples`, then :func:`pin_batch` for a CUDA model,
             so that the host-to-device copy overlaps compute); its exceptions reach the consumer.
+        workers: sample-reading threads (the train worker passes ``READ_THREADS_PER_CPU`` per CPU of
+            ``train.cpus_per_worker``).
 
     Iterating yields lists of sample mappings, or with ``collate`` ``(samples, collate(samples))``
     pairs; :attr:`wait_seconds` accumulates the time the consumer spent blocked (what the
-    data-wait fraction reports).
+    data-wait fraction reports). A read error reaches the consumer at its sample's micro-batch.
+
+    Raises:
+        ValueError: ``workers`` or ``depth`` < 1.
     """
 
     def __init__(self, reader: CacheReader, order: Sequence[tuple[int, int]], micro_batch: int,
-                 start: int, stop: int, depth: int = 4, collate: Callable[[list[dict]], Any] | None = None):
+                 start: int, stop: int, depth: int = 4, collate: Callable[[list[dict]], Any] | None = None,
+                 workers: int = 1):
+        if workers < 1 or depth < 1:
+            raise ValueError(f"Prefetcher workers={workers} and depth={depth} must be >= 1")
         starts = {s: g for s, g in zip(reader.shards, np.cumsum([0] + [reader.records[s].num_samples
                                                                        for s in reader.shards]).tolist())}
         self._globals = [starts[s] + k for s, k in order]
         self._mb, self._start, self._stop = micro_batch, start, stop
         self._reader = reader
         self._collate = collate
+        self.workers = workers
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self.wait_seconds = 0.0
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def _read(self, index: int) -> dict:
+        return as_mapping(self._reader.sample(index))
+
     def _run(self) -> None:
         try:
-            for m in range(self._start, self._stop):
-                idx = self._globals[m * self._mb:(m + 1) * self._mb]
-                samples = [as_mapping(self._reader.sample(i)) for i in idx]
-                self._q.put(samples if self._collate is None else (samples, self._collate(samples)))
+            idx = self._globals[self._start * self._mb:self._stop * self._mb]
+            with contextlib.closing(ordered_map(self._read, idx, self.workers, 2 * self.workers)) as samples:
+                for _ in range(self._start, self._stop):
+                    batch = list(itertools.islice(samples, self._mb))
+                    self._q.put(batch if self._collate is None else (batch, self._collate(batch)))
         except Exception as e:  # surfaced to the consumer, never swallowed
             self._q.put(e)
         self._q.put(None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -111,8 +112,46 @@ def total_steps(micro_per_epoch: list[int], job: TrainJob, world: int) -> int:
     return total if job.max_steps is None else min(total, job.max_steps)
 
 
+def master_ahead(engine, weights: dict[str, torch.Tensor]) -> list[str]:
+    """The trainable tensors whose fp32 master weights (the optimizer's copy under DeepSpeed's bf16
+    mixed precision) differ from ``weights``, the (bf16) module weights a checkpoint stores.
+
+    DeepSpeed creates each fp32 master from the bf16 weights, so a tensor the optimizer never
+    updated keeps them equal; an update moves the master off the bf16 grid even where the bf16
+    copy does not change (an AdamW step of 1e-4 on a norm weight at 1.0, below bf16's spacing of
+    2**-7 there). Collective under DeepSpeed (``deepspeed.utils.safe_get_full_fp32_param``
+    all-reduces each tensor over the ranks, in parameter order, on every rank).
+
+    Args:
+        engine: a :func:`training.engine.make_engine` engine. weights: name -> the module's weights
+            (rank 0's :meth:`consolidated_state`; empty on the other ranks).
+    Returns:
+        the names, sorted (on the ranks that hold ``weights``); empty for the DDP engine and for
+        fp32 training (the module's weights are the master weights).
+    """
+    params = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    if getattr(engine, "stage", 0) == 0 or all(p.dtype == torch.float32 for _, p in params):
+        return []
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    ahead = []
+    for name, p in params:
+        master = safe_get_full_fp32_param(p)
+        if master is not None and name in weights and not torch.equal(master, weights[name].to(master.device).float()):
+            ahead.append(name)
+    return sorted(ahead)
+
+
+def _weights_dtype(weights: dict[str, torch.Tensor]) -> str:
+    """The floating dtype of a drafter's trainable weights as torch names it (``bfloat16``, ``float32``)."""
+    return str(next(v.dtype for v in weights.values() if v.is_floating_point())).removeprefix("torch.")
+
+
 def _save(engine, train_url: str, pos: Position, state: dict[str, Any]) -> None:
-    """Collective checkpoint: every rank's engine files and part record, then rank 0 commits."""
+    """Collective checkpoint: every rank's engine files (without the frozen target weights) and part
+    record, rank 0's ``drafter.safetensors`` (the trainable tensors in the training dtype), then rank 0
+    commits, recording :func:`master_ahead` as ``master_ahead`` and the weights' dtype as
+    ``weights_dtype`` (what the export guard reads)."""
     from safetensors.torch import save_file
 
     from training.checkpoint import commit, step_name, upload_dir, write_part
@@ -123,9 +162,10 @@ def _save(engine, train_url: str, pos: Position, state: dict[str, Any]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         engine.save(tmp, tag)
         write_part(ckpt, rank, upload_dir(tmp, join(ckpt, "engine")))
-    full = engine.consolidated_state()
+    full = {k: v for k, v in engine.consolidated_state().items() if not k.startswith(FROZEN_PREFIXES)}
+    ahead = master_ahead(engine, full)
     if rank == 0:
-        weights = {k: v.detach().float().contiguous() for k, v in full.items() if not k.startswith(FROZEN_PREFIXES)}
+        weights = {k: v.detach().contiguous() for k, v in full.items()}
         with tempfile.TemporaryDirectory() as tmp:
             save_file(weights, f"{tmp}/drafter.safetensors")
             fs, path = filesystem(join(ckpt, "drafter.safetensors"))
@@ -138,14 +178,21 @@ def _save(engine, train_url: str, pos: Position, state: dict[str, Any]) -> None:
     _barrier()
     if rank == 0:
         commit(train_url, pos.step, {**state, "step": pos.step, "epoch": pos.epoch, "micro": pos.micro,
-                                     "world_size": world, "consumed": consumed})
+                                     "world_size": world, "consumed": consumed, "master_ahead": ahead,
+                                     "weights_dtype": _weights_dtype(full)})
     _barrier()
 
 
 def _resume(engine, train_url: str, world: int, zero_stage: int, optimizer: str, name: str) -> tuple[Position, dict]:
     """The position of the newest committed checkpoint (engine state loaded), and what this rank had
-    consumed by then (its ``consumed`` entry; empty for a fresh run or an older checkpoint)."""
-    from training.checkpoint import CheckpointError, download_files, latest_checkpoint, read_parts
+    consumed by then (its ``consumed`` entry; empty for a fresh run or an older checkpoint).
+
+    Each node downloads the checkpoint's engine files once (its local rank 0, ``LOCAL_RANK`` as Ray
+    Train and torchrun set it, into :func:`training.checkpoint.resume_dir`) and its ranks load from
+    that copy: DeepSpeed's ZeRO-1/2 load opens every rank's optimizer file
+    (``_get_all_zero_checkpoints``) plus rank 0's model states. Without ``LOCAL_RANK`` each rank
+    downloads its own copy."""
+    from training.checkpoint import CheckpointError, download_files, latest_checkpoint, read_parts, resume_dir
 
     found = latest_checkpoint(train_url)
     if found is None:
@@ -163,11 +210,19 @@ def _resume(engine, train_url: str, world: int, zero_stage: int, optimizer: str,
                               f"{optimizer}: resume with train.optimizer={state.get('optimizer', 'adamw')}, or "
                               "start a new run_dir")
     files = {rel: size for part in read_parts(ckpt, world).values() for rel, size in part.items()}
-    with tempfile.TemporaryDirectory() as tmp:
-        download_files(join(ckpt, "engine"), files, tmp)
-        engine.load(tmp, state_tag(state))
-    consumed = state.get("consumed") or []
+    local_rank = os.environ.get("LOCAL_RANK")  # set by Ray Train and torchrun
     rank = _rank_world()[0]
+    local = resume_dir(ckpt, "node" if local_rank is not None else f"rank{rank}")
+    downloads = local_rank is None or int(local_rank) == 0
+    if downloads:  # one copy per node: DeepSpeed's ZeRO load reads every rank's optimizer file
+        shutil.rmtree(local, ignore_errors=True)
+        download_files(join(ckpt, "engine"), files, local)
+    _barrier()
+    engine.load(str(local), state_tag(state))
+    _barrier()
+    if downloads:
+        shutil.rmtree(local, ignore_errors=True)
+    consumed = state.get("consumed") or []
     return Position(state["step"], state["epoch"], state["micro"]), (consumed[rank] if rank < len(consumed) else {})
 
 
@@ -341,7 +396,7 @@ def train_worker(config: dict[str, Any]) -> None:
     if not job.use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_num_threads(_assigned_cpus())
-    from training.data import Prefetcher, module_device, rank_order
+    from training.data import READ_THREADS_PER_CPU, Prefetcher, module_device, rank_order
     from training.stream import ConsumedLog, StreamFeed, max_ahead_bytes
     from training.validation import validate
 
@@ -382,7 +437,8 @@ def train_worker(config: dict[str, Any]) -> None:
             if data.reader is None:  # hybrid, resumed after epoch 0: the driver completed the cache
                 data.drain()
             feed = Prefetcher(data.reader, order, job.micro_batch_samples, pos.micro, micro_per_epoch[pos.epoch],
-                              collate=functools.partial(host_batch, pin=pin))  # collated (pinned) in its thread
+                              collate=functools.partial(host_batch, pin=pin),  # collated (pinned) in its thread
+                              workers=READ_THREADS_PER_CPU * _assigned_cpus())  # train.cpus_per_worker
             batches = feed
         waited = feed.wait_seconds
         for samples, batch in batches:

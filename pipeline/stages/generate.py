@@ -11,6 +11,15 @@ error file, then its commit record last (only if absent), and returns metadata o
 seeded per request from (seed, source, row, turn) and HF batches are fixed by input order, so a
 killed run, rerun, ends with the rows (and text) of an uninterrupted one: none duplicated or lost.
 
+Engine calls: vLLM schedules continuously within one ``generate`` call (``generate.max_num_seqs``
+requests at a time), so it gets each round's prompts of the whole shard in one call and the GPU
+drains to the longest answer once per round, not once per batch; the HF engine pads, so it gets
+``generate.batch_size`` prompts per call. A call that raises is split in halves, recursively
+(:func:`generate_bisecting`): one bad prompt costs O(log n) extra calls, and only the prompts that
+fail on their own are skipped (``generation_error``, in the error file and ``rows_failed``). When
+every prompt of a call of several fails on its own, the engine is broken, not the rows:
+:class:`GenerationEngineError` stops the shard uncommitted, so a rerun regenerates it.
+
 Layout under ``<run_dir>/generate/``: ``shards/shard-000000.jsonl`` (OpenAI ``messages`` rows that
 :func:`pipeline.chats.ingest.iter_chats` reads), ``errors/shard-000000.jsonl`` (skipped and failed rows with
 their source file and line), ``commits/shard-000000.json`` (counts, checksum, settings).
@@ -90,6 +99,11 @@ class GenerateSettingsMismatchError(PipelineError):
 
 class ShardCommitConflictError(PipelineError):
     """Two writers generated the same shard (the commit record already existed)."""
+
+
+class GenerationEngineError(PipelineError):
+    """Every prompt of an engine call failed, each on its own: the engine is broken (e.g. vLLM's engine
+    process died), so the shard is not committed with all its rows as errors."""
 
 
 def generate_url(cfg: RunConfig) -> str:
@@ -176,8 +190,9 @@ class ShardResult:
 def regenerate(chats: Sequence[Chat | BadRow], engine: GenerationEngine, cfg: RunConfig) -> ShardResult:
     """Regenerate every answer of ``chats`` (a pure function of its inputs, the engine and config).
 
-    Round r generates the r-th answer of every chat that has one, in batches of
-    ``generate.batch_size`` taken in (prompt length, input) order; its prompt is the chat up to that
+    Round r generates the r-th answer of every chat that has one, in (prompt length, input) order: in
+    one engine call when the engine schedules its own batches (``engine.schedules_batches``: vLLM),
+    else in calls of ``generate.batch_size`` prompts; its prompt is the chat up to that
     answer with the earlier answers already regenerated, rendered with the target's template and
     ``data.render``. A later answer whose prompt no longer fits ``data.max_length`` ends the chat
     after the previous answer (the cache could supervise none of the rest); the row is kept.
@@ -189,6 +204,9 @@ def regenerate(chats: Sequence[Chat | BadRow], engine: GenerationEngine, cfg: Ru
     Returns:
         :class:`ShardResult`; a failed row (``GENERATE_REASONS`` or render codes) is in ``errors``
         only, never in ``rows``.
+
+    Raises:
+        GenerationEngineError: every prompt of an engine call of several failed on its own.
     """
     sampling = SamplingSpec.from_config(cfg.generate)
     record = sampling_record(cfg)
@@ -200,9 +218,11 @@ def regenerate(chats: Sequence[Chat | BadRow], engine: GenerationEngine, cfg: Ru
         todo = _prompts(work, turn, engine.tokenizer, cfg, stats)
         todo.sort(key=lambda t: len(t[1]))  # stable: ties keep input order
         t0 = time.perf_counter()
-        for b in range(0, len(todo), cfg.generate.batch_size):
-            batch = todo[b: b + cfg.generate.batch_size]
-            for (w, _, _, opened), gen in zip(batch, _generate_isolating(engine, batch, sampling)):
+        size = max(len(todo), 1) if getattr(engine, "schedules_batches", False) else cfg.generate.batch_size
+        for b in range(0, len(todo), size):
+            batch = todo[b: b + size]
+            gens = generate_bisecting(engine, [t[1] for t in batch], [t[2] for t in batch], sampling)
+            for (w, _, _, opened), gen in zip(batch, gens):
                 if isinstance(gen, Exception):
                     w.fail("generation_error", f"answer {turn + 1}: {type(gen).__name__}: {gen}")
                     continue
@@ -258,21 +278,35 @@ def _prompts(work: list[_Work], turn: int, tokenizer, cfg: RunConfig, stats: dic
     return todo
 
 
-def _generate_isolating(engine: GenerationEngine, batch, sampling: SamplingSpec) -> list:
-    """Generate a batch; if the engine raises, retry its prompts one by one so that only the rows
-    that fail on their own are lost. Returns a Generation or the exception, per prompt."""
-    try:
-        return engine.generate([t[1] for t in batch], sampling, [t[2] for t in batch])
-    except Exception as e:  # noqa: BLE001 - isolate the row(s) that make the engine raise
-        if len(batch) == 1:
-            return [e]
-    out = []
-    for item in batch:
-        try:
-            out += engine.generate([item[1]], sampling, [item[2]])
-        except Exception as e:  # noqa: BLE001 - recorded in the error file with its reason
-            out.append(e)
+def generate_bisecting(engine: GenerationEngine, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
+                       sampling: SamplingSpec) -> list:
+    """One :class:`pipeline.target_model.engines.Generation`, or the exception its prompt raised alone,
+    per prompt, in order: the engine is called on the whole list; if it raises, on each half,
+    recursively, so that k bad prompts among n cost at most ``1 + 2 k log2(n)`` calls and only the
+    prompts that fail on their own are lost (the failed calls' other prompts are generated again by
+    the halves; a seeded request's text does not depend on its call).
+
+    Raises:
+        GenerationEngineError: more than one prompt and every one failed on its own (a broken engine).
+    """
+    out = _bisect(engine, list(prompts), list(seeds), sampling)
+    if len(out) > 1 and all(isinstance(g, Exception) for g in out):
+        raise GenerationEngineError(
+            f"the generate engine raised on each of the {len(out)} prompts of a call, one at a time "
+            f"({type(out[0]).__name__}: {out[0]}): the engine is broken, not the rows; the shard is left "
+            "uncommitted: fix the engine (GPU memory, vLLM install) and rerun +stage=generate") from out[0]
     return out
+
+
+def _bisect(engine: GenerationEngine, prompts: list, seeds: list, sampling: SamplingSpec) -> list:
+    try:
+        return engine.generate(prompts, sampling, seeds)
+    except Exception as e:  # noqa: BLE001 - isolate the row(s) that make the engine raise
+        if len(prompts) == 1:
+            return [e]
+    half = len(prompts) // 2
+    return (_bisect(engine, prompts[:half], seeds[:half], sampling)
+            + _bisect(engine, prompts[half:], seeds[half:], sampling))
 
 
 def generate_shard(span: ShardSpan, engine: GenerationEngine, cfg: RunConfig) -> ShardResult:

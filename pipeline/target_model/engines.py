@@ -60,10 +60,13 @@ class Generation:
 
 
 class GenerationEngine(Protocol):
-    """What the generate stage needs from an engine: ``tokenizer`` (the target's, to render prompts)
-    and :meth:`generate`."""
+    """What the generate stage needs from an engine: ``tokenizer`` (the target's, to render prompts),
+    ``schedules_batches`` (True: the engine batches a call's prompts itself, continuously, so the stage
+    passes it a whole round of a shard at once; False: one call is one padded batch, of
+    ``generate.batch_size`` prompts) and :meth:`generate`."""
 
     tokenizer: Any
+    schedules_batches: bool
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
                  seeds: Sequence[int]) -> list[Generation]:
@@ -114,6 +117,8 @@ class HFEngine:
         tokenizer: its tokenizer (pad falls back to the first stop id when it has none).
     """
 
+    schedules_batches = False  # one call = one padded batch: the stage sizes it (generate.batch_size)
+
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
         self.stop_ids = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
@@ -158,19 +163,27 @@ class HFEngine:
 class VLLMEngine:
     """``vllm.LLM`` over token-id prompts, one seeded ``SamplingParams`` per request.
 
+    vLLM schedules continuously within one ``generate`` call (a finished request's slot goes to the
+    next waiting one), so the stage passes it a whole round of a shard at once and the GPU drains to
+    the longest answer once per call (``schedules_batches``); ``max_num_seqs`` bounds the requests
+    running at a time.
+
     Args:
         local_dir: the target's local model directory.
         tokenizer: its tokenizer (for the stop ids).
         max_model_len: prompt + answer tokens the engine must hold per request.
         dtype: ``float32`` or ``bfloat16``.
+        max_num_seqs: requests vLLM runs at once (its KV cache preempts beyond what fits); None: vLLM's default.
         llm_kwargs: extra ``vllm.LLM`` arguments (e.g. ``gpu_memory_utilization``).
 
     Raises:
         PipelineError: vLLM is not installed in this environment.
     """
 
+    schedules_batches = True
+
     def __init__(self, local_dir: str, tokenizer, *, max_model_len: int, dtype: str = "bfloat16",
-                 **llm_kwargs):
+                 max_num_seqs: int | None = None, **llm_kwargs):
         try:
             import vllm
         except ImportError:
@@ -184,12 +197,14 @@ class VLLMEngine:
             gen_cfg = None
         self.tokenizer = tokenizer
         self.stop_ids = stop_token_ids(tokenizer, gen_cfg)
+        if max_num_seqs is not None:
+            llm_kwargs["max_num_seqs"] = int(max_num_seqs)
         self.llm = vllm.LLM(model=local_dir, tokenizer=local_dir, dtype=dtype, max_model_len=max_model_len,
                             seed=0, generation_config="vllm", **llm_kwargs)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
                  seeds: Sequence[int]) -> list[Generation]:
-        """See :class:`GenerationEngine`; vLLM schedules the whole list itself.
+        """See :class:`GenerationEngine`; vLLM schedules the whole list itself (``max_num_seqs`` at a time).
 
         Raises:
             ValueError: ``prompts`` and ``seeds`` differ in length.
@@ -233,6 +248,7 @@ def make_engine(cfg: GenerateConfig, target_cfg: TargetConfig, max_model_len: in
 
         local = resolve_target_path(target_cfg.path)
         tok = AutoTokenizer.from_pretrained(local, local_files_only=True)
-        return VLLMEngine(local, tok, max_model_len=max_model_len, dtype=target_cfg.dtype)
+        return VLLMEngine(local, tok, max_model_len=max_model_len, dtype=target_cfg.dtype,
+                          max_num_seqs=cfg.max_num_seqs)
     model, tok, _ = load_target(target_cfg, device)
     return HFEngine(model, tok)
