@@ -78,7 +78,7 @@ def verify_batch(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generato
         draft: int64/int32 [N, gamma] draft token ids, ``draft[n, k] ~ q[n, k]``.
         q: float [N, gamma, V] exact draft distributions (rows sum to 1).
         p: float [N, gamma + 1, V] target distributions (temperature already applied).
-        generator: torch.Generator (CPU) for the uniforms and the resample / bonus draws.
+        generator: torch.Generator on ``q``'s device for the uniforms and the resample / bonus draws.
         verify_len: int [N] in [0, gamma], drafts to verify per block; None = gamma for all.
     Returns:
         ``(emitted, n_accepted)``: emitted int64 [N, gamma + 1], the first ``n_accepted[n] + 1``
@@ -89,15 +89,16 @@ def verify_batch(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generato
             draft token with ``q = 0``.
     """
     n, gamma = draft.shape[:2] if draft.ndim == 2 else (0, 0)
-    verify_len = (torch.full((n,), gamma, dtype=torch.long) if verify_len is None
-                  else torch.as_tensor(verify_len, dtype=torch.long))
+    dev = q.device  # the uniforms and draws come from ``generator``, which must be on this device
+    verify_len = (torch.full((n,), gamma, dtype=torch.long, device=dev) if verify_len is None
+                  else torch.as_tensor(verify_len, dtype=torch.long, device=dev))
     _check(draft, q, p, verify_len)
     d = draft.long()
-    ar = torch.arange(n)
+    ar = torch.arange(n, device=dev)
     p_d = p[:, :gamma].gather(2, d.unsqueeze(2)).squeeze(2).double()
     q_d = q.gather(2, d.unsqueeze(2)).squeeze(2).double()
-    u = torch.rand(n, gamma, generator=generator, dtype=torch.float64)
-    slot = torch.arange(gamma)
+    u = torch.rand(n, gamma, generator=generator, dtype=torch.float64, device=dev)
+    slot = torch.arange(gamma, device=dev)
     accept = (u * q_d < p_d) & (slot < verify_len.unsqueeze(1))
     n_acc = torch.cumprod(accept.long(), dim=1).sum(1)
     rejected = n_acc < verify_len
@@ -109,7 +110,7 @@ def verify_batch(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generato
     dist = torch.where(rejected.unsqueeze(1) & (residual.sum(1, keepdim=True) > 0), residual, p_j)
     last = torch.multinomial(dist, 1, generator=generator).squeeze(1)
     emitted = torch.where(slot < n_acc.unsqueeze(1), d, torch.full_like(d, -1))
-    emitted = torch.cat([emitted, torch.full((n, 1), -1, dtype=torch.long)], dim=1)
+    emitted = torch.cat([emitted, torch.full((n, 1), -1, dtype=torch.long, device=dev)], dim=1)
     emitted[ar, n_acc] = last
     return emitted, n_acc
 

@@ -38,7 +38,8 @@ from storage import filesystem, join, write_json
 log = logging.getLogger("pipeline.stages.calibrate")
 
 __all__ = ["ConfidenceSet", "HeldoutSelection", "select_heldout", "heldout_batches", "collect_confidence",
-           "calibrate_drafter", "save_confidence", "load_confidence", "run_calibrate"]
+           "calibrate_drafter", "save_confidence", "load_confidence", "task_options", "task_device", "run_task",
+           "run_calibrate"]
 
 LABEL_KIND = "expected_acceptance"  # c*_k = 1 - 0.5 ||p_d - p_t||_1 from the cached target states
 
@@ -153,22 +154,23 @@ def collect_confidence(model, batches: Iterable[Sequence[Mapping[str, torch.Tens
         ValueError: the drafter has no confidence head, or the batches hold no supervised block.
     """
     from training.blocks import collate_samples
+    from training.data import module_device, to_device
 
     if model.confidence_head is None:
         raise PipelineError("this drafter has no confidence head: nothing to calibrate (set "
                          "train.drafters.<name>.confidence_head=true and retrain)")
-    gamma = model.config.block_size
+    gamma, dev = model.config.block_size, module_device(model)
     zs, ys, vs, bs = [], [], [], []
     model.eval()
     with torch.no_grad():
         for i, samples in enumerate(batches):
-            batch = collate_samples(samples)
+            batch = collate_samples(samples)  # anchors from a CPU generator on the CPU batch: any device, same blocks
             blocks = model.make_blocks(batch, torch.Generator().manual_seed(seed + i))
-            slots = model(batch, blocks)
+            slots = model(*to_device((batch, blocks), dev))
             out = model.loss(slots, loss_cfg)
-            z = torch.zeros(slots.num_blocks, gamma)
-            y = torch.zeros(slots.num_blocks, gamma)
-            valid = torch.zeros(slots.num_blocks, gamma, dtype=torch.bool)
+            z = torch.zeros(slots.num_blocks, gamma, device=dev)
+            y = torch.zeros(slots.num_blocks, gamma, device=dev)
+            valid = torch.zeros(slots.num_blocks, gamma, dtype=torch.bool, device=dev)
             z[slots.block, slots.slot] = slots.confidence_logits.float()
             y[slots.block, slots.slot] = out.c_star.float()
             valid[slots.block, slots.slot] = True
@@ -176,11 +178,11 @@ def collect_confidence(model, batches: Iterable[Sequence[Mapping[str, torch.Tens
             zs.append(z[keep])
             ys.append(y[keep])
             vs.append(valid[keep])
-            bs.append(torch.full((int(keep.sum()),), i, dtype=torch.long))
+            bs.append(torch.full((int(keep.sum()),), i, dtype=torch.long, device=dev))
     if not zs or sum(v.shape[0] for v in vs) == 0:
         raise PipelineError("the held-out samples hold no supervised block: cache more rows or raise "
                          "train.heldout_shards")
-    return ConfidenceSet(torch.cat(zs), torch.cat(ys), torch.cat(vs), torch.cat(bs))
+    return ConfidenceSet(*(torch.cat(t).cpu() for t in (zs, ys, vs, bs)))
 
 
 def calibrate_drafter(data: ConfidenceSet, *, n_bins: int, grid_step: float) -> dict[str, Any]:
@@ -232,6 +234,74 @@ def load_confidence(url: str) -> ConfidenceSet:
     return ConfidenceSet(t["z"], t["y"], t["valid"].bool(), t.get("batch"))
 
 
+def task_options(gpus: float, cpus: float, name: str) -> dict[str, Any]:
+    """Ray options of a stage's task (``ray.remote(**options)``): ``num_gpus``, ``num_cpus``, no retry
+    (a failure surfaces at once, as the train stage's ``max_failures`` default), the task's name.
+
+    Raises:
+        ConfigError: ``gpus`` < 0 or ``cpus`` <= 0 (set ``<stage>.gpus`` >= 0 and ``<stage>.cpus`` > 0).
+    """
+    if gpus < 0 or cpus <= 0:
+        raise ConfigError(f"{name}: need gpus >= 0 and cpus > 0 for its Ray task, got gpus={gpus}, cpus={cpus}: "
+                          f"set {name}.gpus (0 = run in the driver on its CPU) and {name}.cpus")
+    return {"num_gpus": gpus, "num_cpus": cpus, "max_retries": 0, "name": f"dspark-{name}"}
+
+
+def task_device() -> str:
+    """Where a stage task runs its models: ``"cuda"`` when Ray gave it a GPU (``CUDA_VISIBLE_DEVICES``)
+    and torch sees one, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_task(cfg: RunConfig, fn, *args, gpus: float, cpus: float, name: str):
+    """``fn(*args)`` where the accelerator is: with ``gpus`` > 0 as one Ray task asking for
+    ``num_gpus=gpus`` and ``num_cpus=cpus`` (:func:`task_options`) on the cluster :func:`pipeline.cluster.init_ray`
+    joins (the job's runtime env ships the code), its result returned to the driver; with ``gpus`` 0
+    in this process (a CPU run as before: no Ray start-up, the same results bit for bit).
+
+    Raises:
+        ConfigError: as :func:`task_options`. Whatever ``fn`` raises (through Ray a ``RayTaskError`` that
+            is also an instance of the original exception's class, with the worker's traceback).
+    """
+    options = task_options(gpus, cpus, name)
+    if gpus == 0:
+        return fn(*args)
+    import ray
+
+    from pipeline.cluster import init_ray
+
+    init_ray(cfg.ray)
+    return ray.get(ray.remote(**options)(fn).remote(*args))
+
+
+def collect_all(cfg: RunConfig, names: Sequence[str], selection: HeldoutSelection) -> dict[str, ConfidenceSet]:
+    """The :class:`ConfidenceSet` of each drafter in ``names`` (:func:`collect_confidence` over the
+    ``selection`` of held-out samples), each drafter on :func:`task_device` in the target's dtype on a
+    GPU (float32 on the CPU, as trained there): the body of calibrate's task."""
+    from cache_schema import CacheReader
+    from pipeline.drafters import load_trained_drafter
+    from pipeline.stages.cache import cache_url
+    from pipeline.stages.train import expected_fingerprint
+    from pipeline.config import torch_dtype
+    from pipeline.target_model.loader import resolve_target_path
+    from training.block_runner import eval_drafter
+    from training.losses import LossConfig
+
+    device = task_device()
+    dtype = torch_dtype(cfg.target.dtype) if device != "cpu" else None
+    target_dir = resolve_target_path(cfg.target.path)
+    reader = CacheReader(cache_url(cfg), expected_fingerprint(cfg, target_dir))
+    loss_cfg = LossConfig(ce_weight=cfg.train.loss_ce, tv_weight=cfg.train.loss_tv,
+                          confidence_weight=cfg.train.loss_conf, decay_lambda=cfg.train.decay_lambda)
+    out = {}
+    for name in names:
+        model = eval_drafter(load_trained_drafter(cfg, name, target_dir), device, dtype)
+        out[name] = collect_confidence(model, heldout_batches(reader, selection, cfg.train.micro_batch_samples),
+                                       loss_cfg, seed=cfg.train.seed)
+        del model
+    return out
+
+
 def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     """``+stage=calibrate``: STS for every trained drafter that has a confidence head.
 
@@ -252,25 +322,23 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.target_model.loader import resolve_target_path
     from pipeline.stages.train import expected_fingerprint
     from training.data import split_shards
-    from pipeline.drafters import load_trained_drafter
-    from training.losses import LossConfig, expected_tau
+    from training.losses import expected_tau
     from training.sts import plot_reliability
 
     target_dir = resolve_target_path(cfg.target.path)
     reader = CacheReader(cache_url(cfg), expected_fingerprint(cfg, target_dir))
     split = split_shards({s: r.num_samples for s, r in reader.records.items()}, cfg.train.heldout_shards)
-    loss_cfg = LossConfig(ce_weight=cfg.train.loss_ce, tv_weight=cfg.train.loss_tv,
-                          confidence_weight=cfg.train.loss_conf, decay_lambda=cfg.train.decay_lambda)
     selection = select_heldout(split.counts, split.heldout, cfg.calibrate.max_samples)
     sampled = {"samples_used": selection.samples_used, "samples_available": selection.samples_available}
     summary: dict[str, Any] = {"heldout_shards": list(split.heldout), **sampled, "drafters": {}}
+    names = [n for n, spec in cfg.train.drafters.items() if spec.confidence_head]
+    sets = run_task(cfg, collect_all, cfg, names, selection, gpus=cfg.calibrate.gpus, cpus=cfg.calibrate.cpus,
+                    name="calibrate") if names else {}
     for name, spec in cfg.train.drafters.items():
         if not spec.confidence_head:
             summary["drafters"][name] = {"skipped": "no confidence head"}
             continue
-        model = load_trained_drafter(cfg, name, target_dir)
-        data = collect_confidence(model, heldout_batches(reader, selection, cfg.train.micro_batch_samples),
-                                  loss_cfg, seed=cfg.train.seed)
+        data = sets[name]
         report = {**calibrate_drafter(data, n_bins=cfg.calibrate.bins, grid_step=cfg.calibrate.grid_step), **sampled}
         out = join(cfg.run_dir, "calibrate", name)
         write_json(join(out, "report.json"), report)

@@ -16,7 +16,8 @@ import torch
 from pipeline.chats.ingest import Chat, iter_chats
 from pipeline.config import RunConfig
 from pipeline.chats.render import render_options, render_prompt, thinking_mode
-from pipeline.inference.speculate import Decoded, plain_decode, speculative_decode, threshold_policy
+from pipeline.inference.speculate import (Decoded, device_generator, plain_decode, speculative_decode,
+                                          threshold_policy)
 from pipeline.errors import PipelineError
 from storage import join, read_json
 from pipeline.paths import resolve_input
@@ -86,9 +87,10 @@ def _temperatures(cfg: RunConfig, name: str) -> list[float] | None:
         return None
 
 
-def _decode_all(fn, prompts, seed: int, **kw) -> dict[str, list[Decoded]]:
+def _decode_all(fn, prompts, seed: int, device: torch.device | str = "cpu", **kw) -> dict[str, list[Decoded]]:
+    """Decode every prompt with ``fn`` from one generator on ``device`` (the target's) seeded ``seed``."""
     by_task: dict[str, list[Decoded]] = {}
-    gen = torch.Generator().manual_seed(seed)
+    gen = device_generator(device, seed)
     for task, ids in prompts:
         by_task.setdefault(task, []).append(fn(prompt=ids, generator=gen, **kw))
     return by_task
@@ -138,7 +140,8 @@ def block_level(cfg: RunConfig, drafters: dict[str, Any], target_dir: str, recor
 
     batches = sample_batches(reader, split.heldout, cfg.train.micro_batch_samples, cfg.evaluate.block_samples)
     tally = evaluate_blocks(drafters, batches, temperatures=cfg.evaluate.temperatures,
-                            num_anchors=cfg.evaluate.block_anchors, records=records)
+                            num_anchors=cfg.evaluate.block_anchors, records=records,
+                            chunk_blocks=cfg.evaluate.block_chunk)
     summary = summarise(tally, pairs=block_pairs(drafters))
     table = format_table(summary)
     summary["pairs"] = {f"{a}/{b}": v for (a, b), v in summary["pairs"].items()}
@@ -152,7 +155,7 @@ def _global_temperature(cfg: RunConfig, name: str) -> float | None:
         return None
 
 
-def realised_calibration(cfg: RunConfig, drafters: dict[str, Any], decoded: dict, block_records: dict, sps
+def realised_calibration(cfg: RunConfig, configs: dict[str, Any], decoded: dict, block_records: dict, sps
                          ) -> tuple[dict[str, Any], str]:
     """Calibration on realised acceptance per drafter with a confidence head and temperature
     (:mod:`pipeline.inference.realised`): estimators fitted on the block-level outcomes of even held-out
@@ -171,8 +174,8 @@ def realised_calibration(cfg: RunConfig, drafters: dict[str, Any], decoded: dict
     ev, out_dir = cfg.evaluate, join(cfg.run_dir, "evaluate")
     result: dict[str, Any] = {}
     text = []
-    for name, drafter in drafters.items():
-        if drafter.confidence_head is None:
+    for name, config in configs.items():
+        if not config.confidence_head:
             continue
         for T in ev.temperatures:
             key = f"T={T:g}"
@@ -195,7 +198,7 @@ def realised_calibration(cfg: RunConfig, drafters: dict[str, Any], decoded: dict
             result.setdefault(name, {})[key] = cmp
             text.append(format_tables(name, key, cmp))
         try:
-            method = "dspark" if architecture(drafter.config) == DSPARK_ARCH else "dflash"
+            method = "dspark" if architecture(config) == DSPARK_ARCH else "dflash"
         except ExportError:
             continue
         if name not in result:
@@ -205,41 +208,45 @@ def realised_calibration(cfg: RunConfig, drafters: dict[str, Any], decoded: dict
     return result, "\n".join(text)
 
 
-def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
-    """``+stage=evaluate``: paired block-level tau on held-out cache blocks (:func:`block_level`),
-    then the decoding loop: tau tables (T in ``evaluate.temperatures``), thresholds, scheduler.
+def evaluate_on_device(cfg: RunConfig) -> dict[str, Any]:
+    """The part of the evaluate stage that runs models, where :func:`pipeline.stages.calibrate.task_device`
+    says (a GPU in the stage's Ray task): the block-level evaluation (:func:`block_level`), the decoding
+    loop (plain and speculative, T in ``evaluate.temperatures``; generators on the target's device),
+    the thresholds and the SPS curve (profiled on that device unless ``evaluate.sps_table``). The
+    target is loaded there in ``target.dtype``, the drafters in the same dtype on a GPU (float32 on
+    the CPU, as before) with a tied ``lm_head`` held once (:func:`training.block_runner.eval_drafter`).
 
-    Writes ``<run_dir>/evaluate/`` ``block_table.md``, ``tau_table.md`` (each headed by the thinking
-    mode), ``tau.png``, ``acceptance.png``, ``sps.json``, and the calibration on realised acceptance
-    (:func:`realised_calibration`): ``calibration_table.md`` and ``reliability_<drafter>_T<T>.png``.
-    Prompts are rendered in ``data.render.enable_thinking``'s mode, the drafters' own (a drafter of
-    another mode is refused).
+    Returns:
+        a picklable dict: ``configs`` ({name: DrafterConfig}), ``blocks`` (or None), ``block_records``,
+        ``results``, ``thresholds``, ``records`` ({("T=..", name): [Decoded]}), ``sps`` (SPSCurve),
+        ``prompts`` (count), ``tasks``, ``device``.
+    Raises:
+        PipelineError: no usable evaluation prompt. As ``load_trained_drafter`` / ``load_target``.
     """
-    from pipeline.eval_report import plot_acceptance, tau_table, write_text
-    from pipeline.target_model.prefill import LayerTap
-    from pipeline.inference.scheduler import SPSCurve, simulate
-    from pipeline.inference.sps import profile_sps
-    from pipeline.target_model.loader import load_target
+    from pipeline.config import torch_dtype
     from pipeline.drafters import load_trained_drafter
-
-    from pipeline.target_model.loader import resolve_target_path
+    from pipeline.inference.sps import profile_sps
+    from pipeline.inference.scheduler import SPSCurve
+    from pipeline.stages.calibrate import task_device
+    from pipeline.target_model.loader import load_target, resolve_target_path
+    from pipeline.target_model.prefill import LayerTap
+    from training.block_runner import eval_drafter
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    device = task_device()
+    dtype = torch_dtype(cfg.target.dtype) if device != "cpu" else None
     target_dir = resolve_target_path(cfg.target.path)  # drafters first: a config they refuse costs nothing
-    drafters = {n: load_trained_drafter(cfg, n, target_dir) for n in cfg.train.drafters}
-    model, tok, target_dir = load_target(cfg.target)
+    drafters = {n: eval_drafter(load_trained_drafter(cfg, n, target_dir), device, dtype) for n in cfg.train.drafters}
+    model, tok, target_dir = load_target(cfg.target, device)
     prompts = eval_prompts(cfg, tok)
     if not prompts:
         raise PipelineError("no usable evaluation prompt in data.eval_files")
     stop = {tok.eos_token_id, *np.atleast_1d(model.generation_config.eos_token_id or []).tolist()} - {None}
     block_records: dict = {}
     blocks = block_level(cfg, drafters, target_dir, block_records) if cfg.evaluate.block_samples else None
-    mode = f"Prompts and held-out blocks rendered with {thinking_mode(cfg.data.render)}.\n\n"
-    if blocks is not None:
-        write_text(join(cfg.run_dir, "evaluate", "block_table.md"), mode + blocks["table"])
-        print(mode + blocks["table"], flush=True)
     tap = LayerTap(model, cfg.target.target_layer_ids)
-    ev, common = cfg.evaluate, {"max_new_tokens": cfg.evaluate.max_new_tokens, "stop_ids": stop}
+    ev = cfg.evaluate
+    common = {"max_new_tokens": ev.max_new_tokens, "stop_ids": stop, "device": model.device}
     results: dict[str, Any] = {}
     records: dict[str, Any] = {}
     for T in ev.temperatures:
@@ -269,22 +276,52 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
             m = round_metrics([d for v in runs.values() for d in v], drafter.config.block_size)
             thresholds[name].append({"threshold": thr, "tau": m.get("tau"), "verified_per_round": m.get("verified_per_round")})
     sps = SPSCurve.load(ev.sps_table) if ev.sps_table else profile_sps(model)
-    sps.save(join(cfg.run_dir, "evaluate", "sps.json"))
+    return {"configs": {n: d.config for n, d in drafters.items()}, "blocks": blocks, "block_records": block_records,
+            "results": results, "thresholds": thresholds, "records": records, "sps": sps, "prompts": len(prompts),
+            "tasks": sorted({t for t, _ in prompts}), "device": str(model.device)}
+
+
+def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
+    """``+stage=evaluate``: paired block-level tau on held-out cache blocks (:func:`block_level`),
+    then the decoding loop: tau tables (T in ``evaluate.temperatures``), thresholds, scheduler.
+    The models run in :func:`evaluate_on_device`, as one Ray task asking for ``evaluate.gpus`` GPUs and
+    ``evaluate.cpus`` CPUs (in this process when ``evaluate.gpus`` is 0:
+    :func:`pipeline.stages.calibrate.run_task`); this process writes the tables.
+
+    Writes ``<run_dir>/evaluate/`` ``block_table.md``, ``tau_table.md`` (each headed by the thinking
+    mode), ``tau.png``, ``acceptance.png``, ``sps.json``, and the calibration on realised acceptance
+    (:func:`realised_calibration`): ``calibration_table.md`` and ``reliability_<drafter>_T<T>.png``.
+    Prompts are rendered in ``data.render.enable_thinking``'s mode, the drafters' own (a drafter of
+    another mode is refused).
+    """
+    from pipeline.eval_report import plot_acceptance, tau_table, write_text
+    from pipeline.inference.scheduler import simulate
+    from pipeline.stages.calibrate import run_task
+
+    ev = cfg.evaluate
+    run = run_task(cfg, evaluate_on_device, cfg, gpus=ev.gpus, cpus=ev.cpus, name="evaluate")
+    blocks, results, records, sps = run["blocks"], run["results"], run["records"], run["sps"]
+    mode = f"Prompts and held-out blocks rendered with {thinking_mode(cfg.data.render)}.\n\n"
+    out_dir = join(cfg.run_dir, "evaluate")
+    if blocks is not None:
+        write_text(join(out_dir, "block_table.md"), mode + blocks["table"])
+        print(mode + blocks["table"], flush=True)
+    sps.save(join(out_dir, "sps.json"))
+    t_thr = max(ev.temperatures)
     scheduler = {}
-    for name in drafters:
+    for name in run["configs"]:
         outcomes, conf = _block_records(records[(f"T={t_thr:g}", name)], _temperatures(cfg, name))
         if len(outcomes):
             scheduler[name] = simulate(outcomes, conf, sps, concurrency=ev.concurrency, seed=ev.seed)
-    out_dir = join(cfg.run_dir, "evaluate")
     table = mode + tau_table(results, scheduler)
     write_text(join(out_dir, "tau_table.md"), table)
     plot_acceptance(results, join(out_dir, "acceptance.png"), join(out_dir, "tau.png"))
     print(table, flush=True)
-    realised, realised_md = realised_calibration(cfg, drafters, records, block_records, sps)
+    realised, realised_md = realised_calibration(cfg, run["configs"], records, run["block_records"], sps)
     write_text(join(out_dir, "calibration_table.md"), realised_md)
     print(realised_md, flush=True)
-    return {"blocks": blocks, "realised": realised, "prompts": len(prompts), "tasks": sorted({t for t, _ in prompts}),
+    return {"blocks": blocks, "realised": realised, "prompts": run["prompts"], "tasks": run["tasks"],
             "render_options": render_options(cfg.data.render), "enable_thinking": cfg.data.render.enable_thinking,
-            "results": results, "thresholds": thresholds, "scheduler": scheduler,
+            "results": results, "thresholds": run["thresholds"], "scheduler": scheduler,
             "sps": {"batch_tokens": sps.batch_tokens.tolist(), "steps_per_s": sps.steps_per_s.tolist(),
                     "source": ev.sps_table or "profiled on this machine"}}
