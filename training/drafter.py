@@ -25,12 +25,13 @@ from transformers.models.qwen3.modeling_qwen3 import (Qwen3DecoderLayer, Qwen3RM
                                                       Qwen3RotaryEmbedding, rotate_half)
 
 from training.blocks import (Blocks, DraftBatch, build_blocks, dense_block_mask, flex_block_mask,
-                             sample_anchors)
+                             sample_anchors, static_shape)
 from training.draft_vocab import draft_to_target_ids
 from training.heads import HEAD_TYPES, ConfidenceHead, build_sequential_head, sample_sequential
 from training.losses import LossConfig, LossOutput, SupervisedSlots, drafter_loss
 
-__all__ = ["DrafterConfig", "DraftContext", "DraftResult", "Drafter", "resolve_attention"]
+__all__ = ["DrafterConfig", "DraftContext", "DraftResult", "Drafter", "resolve_attention", "compiled_flex_attention",
+           "FLEX_GRAPH_LIMIT"]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 INIT_MODES = ("random", "target")
@@ -55,8 +56,9 @@ class DrafterConfig:
             Markov embedding (default False: only the confidence head learns from it).
         num_anchors: anchors sampled per sample in training. draft_vocab_size: reduced output
             vocabulary (EAGLE-3 style) or None for the full target vocabulary.
-        attention: ``"sdpa"`` (dense mask), ``"flex"`` (BlockMask; compiled on CUDA; on CPU eager and
-            forward-only, as torch has no CPU flex backward) or ``"auto"`` (flex on CUDA, else sdpa).
+        attention: ``"sdpa"`` (dense mask), ``"flex"`` (BlockMask; compiled on CUDA at padded static
+            shapes, :func:`training.blocks.static_shape`; on CPU eager and forward-only, as torch has
+            no CPU flex backward) or ``"auto"`` (flex on CUDA, else sdpa).
         init: how a fresh drafter starts: ``"random"`` (Qwen3 init, the public recipes) or
             ``"target"`` (:meth:`Drafter.init_from_target`). Recorded; a training-time choice that
             changes no layout, so later stages do not compare it.
@@ -174,17 +176,40 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
+FLEX_GRAPH_LIMIT = 32
+"""Compiled flex-attention graphs allowed per process: a graph per padded shape (4 context buckets
+up to 4,096 tokens) and grad mode (training, validation) leaves room for other micro-batch sizes.
+Past it the call raises instead of falling back to eager flex, which materialises the scores."""
+
+
 @functools.cache
-def _compiled_flex():
-    """Flex attention compiled once per process (fused kernel; shapes become dynamic after a change)."""
-    return torch.compile(flex_attention)
+def _compiled_flex(backend: str):
+    """Flex attention compiled once per process and backend, with static shapes (one graph per shape)."""
+    return torch.compile(flex_attention, backend=backend, dynamic=False)
+
+
+def compiled_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
+                            scale: float, backend: str = "inductor") -> torch.Tensor:
+    """Compiled flex attention (GQA) of q [B, h, Q, d] over k/v [B, h_kv, K, d] -> [B, h, Q, d].
+
+    Shapes are static (``dynamic=False``): the caller pads them to a few buckets
+    (:func:`training.blocks.static_shape`), so each bucket compiles once.
+
+    Raises:
+        torch._dynamo.exc.FailOnRecompileLimitHit: more than :data:`FLEX_GRAPH_LIMIT` graphs (shapes
+            are not bucketed); dynamo's default would silently run eager flex, whose materialised
+            scores are ~14 GB per layer at the recipe's shape.
+    """
+    with torch._dynamo.config.patch(recompile_limit=FLEX_GRAPH_LIMIT, fail_on_recompile_limit_hit=True):
+        return _compiled_flex(backend)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 def _attend(q, k, v, mask, scale):
     """Attention of q [B, h, Q, d] over k/v [B, h_kv, K, d] with a dense bool mask, a BlockMask or None."""
     if isinstance(mask, BlockMask):
-        fn = _compiled_flex() if q.is_cuda else flex_attention
-        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+        if q.is_cuda:
+            return compiled_flex_attention(q, k, v, mask, scale)
+        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -314,6 +339,24 @@ class Drafter(nn.Module):
         """Parameters for the optimizer: everything but the frozen ``embed_tokens`` / ``lm_head``."""
         return [p for p in self.parameters() if p.requires_grad]
 
+    def muon_parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters Muon updates (``train.optimizer=muon``,
+        :class:`training.engine.DeepSpeedEngine`): the backbone's hidden matrices, the 2-D weights
+        of ``fc`` and of the decoder ``layers`` (attention and MLP projections).
+
+        Muon orthogonalises the update of a matrix mapping dense activations to dense activations
+        (Jordan et al. 2024, "Muon: an optimizer for hidden layers": embeddings, classifier heads
+        and gains / biases take AdamW). ``fc`` is such a matrix: it maps the target's dense hidden
+        features [L*H] to the backbone's width, and every context token updates all of it (an
+        embedding maps one-hot token ids; only the rows of drawn tokens get a gradient). The heads
+        take AdamW: the Markov embedding ``markov_w1`` (and the control head's ``slot_embed``)
+        are embeddings, the Markov ``markov_w2`` [V_draft, r] and the confidence ``proj``
+        [1, H + r] are output projections into logits, and the gated / RNN heads' small gate
+        projections sit on those heads, outside the backbone. Norm gains are 1-D: AdamW.
+        """
+        backbone = [self.fc, self.layers]
+        return [p for m in backbone for p in m.parameters() if p.requires_grad and p.ndim == 2]
+
     # -- backbone -------------------------------------------------------------------------------
     def _fuse(self, features: torch.Tensor) -> torch.Tensor:
         """``ctx = hidden_norm(fc(features))``: [B, L, n_ids*H] -> [B, L, H] (DFlash paper, feature fusion)."""
@@ -366,12 +409,20 @@ class Drafter(nn.Module):
                             sample_from_anchor=self.config.sample_from_anchor,
                             mask_token_id=self.config.mask_token_id)
 
-    def forward(self, batch: DraftBatch, blocks: Blocks) -> SupervisedSlots:
+    def forward(self, batch: DraftBatch, blocks: Blocks, static_shapes: bool | None = None) -> SupervisedSlots:
         """Training forward over all blocks of a batch (teacher forcing for the sequential head).
+
+        With ``static_shapes`` the backbone runs at :func:`training.blocks.static_shape`'s padded
+        ``(T, N)``: zero context features after position T (never attended: every anchor lies
+        before T) and dummy blocks (anchor 0, mask tokens) that attend only to their own slots and
+        are cut off before the heads, so the supervised slots, the loss and the gradients are those
+        of the unpadded shapes (``tests/test_gpu_path_attention.py``).
 
         Args:
             batch: padded cache samples [B, T]. blocks: from :meth:`make_blocks` or ``build_blocks``
                 with this config's layout and block size.
+            static_shapes: pad to static shapes; None (default) = exactly when the attention is the
+                compiled flex kernel (flex on CUDA), where every new shape is a new compiled graph.
         Returns:
             the M supervised slots (:class:`training.losses.SupervisedSlots`).
         Raises:
@@ -385,16 +436,21 @@ class Drafter(nn.Module):
         if blocks.sample_from_anchor != cfg.sample_from_anchor or blocks.labels.shape[-1] != gamma:
             raise ValueError("blocks were built with another layout or block size than this drafter's config")
         # the kernel, where the weights are: once per forward (before any compute), not per layer
-        use_flex = resolve_attention(cfg.attention, self.fc.weight.device.type) == "flex"
-        ctx = self._fuse(batch.features)
-        cos_c, sin_c = self.rotary_emb(ctx, torch.arange(T, device=ctx.device).expand(B, T))
-        x = self._embed(blocks.input_ids.view(B, N * S))
-        cos_q, sin_q = self.rotary_emb(x, blocks.positions.view(B, N * S))
-        mask = (flex_block_mask if use_flex else dense_block_mask)(blocks.anchors, T, S)
+        device = self.fc.weight.device
+        use_flex = resolve_attention(cfg.attention, device.type) == "flex"
+        if static_shapes is None:
+            static_shapes = use_flex and device.type == "cuda"
+        Tp, Np = static_shape(T, N, cfg.num_anchors) if static_shapes else (T, N)
+        ctx = F.pad(self._fuse(batch.features), (0, 0, 0, Tp - T))
+        cos_c, sin_c = self.rotary_emb(ctx, torch.arange(Tp, device=ctx.device).expand(B, Tp))
+        pad_n = (0, 0, 0, Np - N)
+        x = self._embed(F.pad(blocks.input_ids, pad_n, value=cfg.mask_token_id).view(B, Np * S))
+        cos_q, sin_q = self.rotary_emb(x, F.pad(blocks.positions, pad_n).view(B, Np * S))
+        mask = (flex_block_mask if use_flex else dense_block_mask)(F.pad(blocks.anchors, (0, Np - N)), Tp, S)
         for layer in self.layers:
             ck, cv = self._context_kv(layer, ctx, cos_c, sin_c)
             x = self._block_layer(layer, x, ck, cv, cos_q, sin_q, mask)
-        h = self.norm(x).view(B, N, S, -1)[:, :, S - gamma:]
+        h = self.norm(x).view(B, Np, S, -1)[:, :N, S - gamma:]
         u = None if self.markov_head is None else self.markov_head.features(blocks.prev_ids, h)
         conf = self._confidence(h, blocks.prev_ids)
         b, n, k = blocks.valid.nonzero(as_tuple=True)

@@ -1,15 +1,17 @@
 """Optimizer engines behind one small interface: DeepSpeed ZeRO (stages 1-3; AdamW, or DeepSpeed's
-Muon with AdamW for the non-matrix weights) or plain PyTorch DDP with AdamW (``zero_stage=0``, the
-cross-check). Only the drafter's trainable parameters reach the optimizer:
+Muon for the backbone's hidden matrices with AdamW for the rest) or plain PyTorch DDP with AdamW
+(``zero_stage=0``, the cross-check). Only the drafter's trainable parameters reach the optimizer:
 the frozen ``embed_tokens`` / ``lm_head`` carry no optimizer state.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -71,6 +73,47 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
     return f
 
 
+def worker_device() -> torch.device:
+    """The device of this worker's model: ``cuda:LOCAL_RANK`` (the launcher's local rank, 0 when
+    unset) where CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def muon_selection(model: torch.nn.Module):
+    """Within the block, DeepSpeed's Muon tags (``param.use_muon``) follow the model's own
+    ``muon_parameters()`` instead of DeepSpeed's name rule; a model without that method keeps
+    DeepSpeed's rule.
+
+    DeepSpeed (``deepspeed.set_optimizer_flags``, run inside ``deepspeed.initialize``) gives Muon
+    every parameter of two or more dimensions whose name lacks ``embed`` / ``lm_head``: in the
+    drafter that is also the Markov embedding ``markov_w1`` [V, r], the Markov output
+    ``markov_w2`` [V_draft, r] and the confidence projection [1, H + r]. Muon is meant for the
+    hidden matrices only; embeddings and output heads take AdamW (Jordan et al. 2024, "Muon: an
+    optimizer for hidden layers"). DeepSpeed splits its Muon and AdamW groups by these tags.
+    """
+    select = getattr(model, "muon_parameters", None)
+    if select is None:
+        yield
+        return
+    import deepspeed
+    from deepspeed.runtime.config import MUON_OPTIMIZER
+
+    chosen = {id(p) for p in select()}
+    deepspeed_flags = deepspeed.set_optimizer_flags
+
+    def flags(config_class, module):
+        deepspeed_flags(config_class, module)
+        if config_class.optimizer_name == MUON_OPTIMIZER:
+            for p in module.parameters():
+                p.use_muon = id(p) in chosen
+
+    with mock.patch.object(deepspeed, "set_optimizer_flags", flags):
+        yield
+
+
 def deepspeed_config(*, micro_batch: int, accumulation: int, grad_clip: float, zero_stage: int, bf16: bool,
                      lr: float, betas: tuple[float, float], weight_decay: float,
                      muon_lr: float | None = None) -> dict:
@@ -115,13 +158,15 @@ def deepspeed_config(*, micro_batch: int, accumulation: int, grad_clip: float, z
 class DeepSpeedEngine:
     """DeepSpeed ZeRO with a client ``torch.optim.AdamW`` (no DeepSpeed op build on CPU), or with
     DeepSpeed's own Muon (``muon_lr`` set): Newton-Schulz-orthogonalised momentum (Jordan et al.
-    2024, "Muon: an optimizer for hidden layers") for every matrix DeepSpeed tags (2-D, not named
-    ``embed`` / ``lm_head``: the drafter's layers, ``fc``, the Markov and confidence heads), and
-    ``torch.optim.AdamW`` (DeepSpeed's ``torch_adam``: a resumed run stays bitwise equal) at ``lr`` for the
-    rest (norms); both follow :func:`lr_lambda`. With Muon ``grad_clip`` is not
-    applied (DeepSpeed orthogonalises before its clip, which would scale the updates), and on CPU the
-    worker process runs the Newton-Schulz iterations eagerly (``torch._dynamo`` off). The DeepSpeed
-    config is :func:`deepspeed_config`'s (bf16: fp32 gradient accumulation)."""
+    2024, "Muon: an optimizer for hidden layers") for the model's ``muon_parameters()`` (the
+    drafter: its backbone's hidden matrices, :meth:`training.drafter.Drafter.muon_parameters`;
+    a model without the method: DeepSpeed's rule, 2-D and not named ``embed`` / ``lm_head``,
+    :func:`muon_selection`), and ``torch.optim.AdamW`` (DeepSpeed's ``torch_adam``: a resumed run
+    stays bitwise equal) at ``lr`` for the rest (embeddings, heads, norms); both follow
+    :func:`lr_lambda`. With Muon ``grad_clip`` is not applied (DeepSpeed orthogonalises before its
+    clip, which would scale the updates), and on CPU the worker process runs the Newton-Schulz
+    iterations eagerly (``torch._dynamo`` off). The DeepSpeed config is :func:`deepspeed_config`'s
+    (bf16: fp32 gradient accumulation)."""
 
     def __init__(self, model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float,
                  total_steps: int, warmup_ratio: float, zero_stage: int, bf16: bool, micro_batch: int,
@@ -143,9 +188,10 @@ class DeepSpeedEngine:
                 # builds per new matrix shape for what are microseconds of eager matmuls here.
                 torch._dynamo.config.disable = True
             sched = lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)  # noqa: E731
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched, config=config,
-            model_parameters=model.trainable_parameters())
+        with muon_selection(model):
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model, optimizer=opt, lr_scheduler=sched, config=config,
+                model_parameters=model.trainable_parameters())
         self.module = self.engine.module
         self.stage = zero_stage
 
@@ -162,11 +208,14 @@ class DeepSpeedEngine:
         return self.scheduler.get_last_lr()[-1]  # AdamW's (with Muon, the non-matrix half)
 
     def save(self, local_dir: str, tag: str) -> None:
-        """Collective: every rank writes its own files under ``local_dir``."""
-        self.engine.save_checkpoint(local_dir, tag=tag)
+        """Collective: every rank writes its own files under ``local_dir``, without the frozen
+        ``embed_tokens`` / ``lm_head`` (rebuilt from the target when the drafter is built)."""
+        self.engine.save_checkpoint(local_dir, tag=tag, exclude_frozen_parameters=True)
 
     def load(self, local_dir: str, tag: str) -> None:
-        path, _ = self.engine.load_checkpoint(local_dir, tag=tag)
+        """Load checkpoint ``tag`` (every rank's optimizer files under ``local_dir``); the frozen
+        weights it lacks keep the target's values the drafter was built with."""
+        path, _ = self.engine.load_checkpoint(local_dir, tag=tag, load_module_strict=False)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint {tag} under {local_dir}")
 
@@ -180,12 +229,23 @@ class DeepSpeedEngine:
 
 
 class DDPEngine:
-    """Plain PyTorch DDP with manual accumulation, clipping, AdamW and the same lr schedule."""
+    """Plain PyTorch DDP with manual accumulation, clipping, AdamW and the same lr schedule. A model
+    on the CPU moves to :func:`worker_device` (``cuda:LOCAL_RANK`` with CUDA) before DDP wraps it;
+    one already placed elsewhere stays there."""
 
     def __init__(self, model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float,
                  total_steps: int, warmup_ratio: float, accumulation: int, grad_clip: float, **_):
-        self.module = model
-        self.ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
+        from training.data import module_device
+
+        self.device = module_device(model)
+        if self.device.type == "cpu":
+            self.device = worker_device()
+        self.module = model.to(self.device)
+        ids = None
+        if self.device.type == "cuda":  # NCCL works on the current device: make it this rank's
+            torch.cuda.set_device(self.device)
+            ids = [self.device.index]
+        self.ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids) if dist.is_initialized() else model
         self.optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=lr, betas=betas,
                                            weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(total_steps, warmup_ratio))
@@ -213,18 +273,27 @@ class DDPEngine:
         if not dist.is_initialized() or dist.get_rank() == 0:
             out = Path(local_dir) / tag
             out.mkdir(parents=True, exist_ok=True)
-            torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+            model = {k: v for k, v in self.module.state_dict().items() if k not in _frozen_names(self.module)}
+            torch.save({"model": model, "optimizer": self.optimizer.state_dict(),
                         "scheduler": self.scheduler.state_dict(), "micro": self._micro}, out / "ddp_state.pt")
 
     def load(self, local_dir: str, tag: str) -> None:
-        state = torch.load(Path(local_dir) / tag / "ddp_state.pt", weights_only=False)
-        self.module.load_state_dict(state["model"])
+        state = torch.load(Path(local_dir) / tag / "ddp_state.pt", map_location=self.device, weights_only=False)
+        missing, unexpected = self.module.load_state_dict(state["model"], strict=False)
+        if set(missing) - _frozen_names(self.module) or unexpected:
+            raise RuntimeError(f"{local_dir}/{tag}: the checkpoint does not fit the drafter (missing "
+                               f"{sorted(set(missing) - _frozen_names(self.module))}, unexpected {unexpected})")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self._micro = state["micro"]
 
     def consolidated_state(self) -> dict[str, torch.Tensor]:
         return self.module.state_dict()
+
+
+def _frozen_names(module: torch.nn.Module) -> set[str]:
+    """State-dict names of the module's frozen parameters (the target's ``embed_tokens`` / ``lm_head``)."""
+    return {n for n, p in module.named_parameters() if not p.requires_grad}
 
 
 def make_engine(model: torch.nn.Module, zero_stage: int, **kw):
