@@ -2,9 +2,10 @@
 
 Layout under ``<train_dir>`` (e.g. ``<run_dir>/train/dspark``)::
 
-    checkpoints/step-000100/engine/...        the engine's sharded state (every rank's files)
+    checkpoints/step-000100/engine/...        the engine's sharded state (every rank's files; no frozen
+                                              target weights: they are rebuilt from the target)
     checkpoints/step-000100/parts/rank-0.json each rank's file list with sizes (written by that rank)
-    checkpoints/step-000100/drafter.safetensors  consolidated drafter weights (rank 0)
+    checkpoints/step-000100/drafter.safetensors  the trainable drafter weights in the training dtype (rank 0)
     checkpoints/step-000100/COMMITTED.json    trainer state + parts, created last, only if absent
     latest                                    name of the newest committed checkpoint (moved last)
 
@@ -14,7 +15,9 @@ after, so a prune cut short leaves only such an ignored folder.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,15 @@ def download_files(url: str, files: dict[str, int], local: str | Path) -> None:
         dest = Path(local) / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(f"{root}/{rel}", str(dest))
+
+
+def resume_dir(ckpt_url: str, holder: str) -> Path:
+    """The local folder that ``holder`` (``node``: every rank of this machine; ``rank3``: one rank)
+    downloads checkpoint ``ckpt_url``'s engine files into to resume:
+    ``<tempdir>/dspark-resume-<sha1 of url and holder, 16 hex>``, the same path in every process
+    of the machine."""
+    digest = hashlib.sha1(f"{ckpt_url}\n{holder}".encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"dspark-resume-{digest}"
 
 
 def write_part(ckpt_url: str, rank: int, files: dict[str, int]) -> None:

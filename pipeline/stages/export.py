@@ -14,16 +14,27 @@ from storage import filesystem, join, read_json
 log = logging.getLogger("pipeline.stages.export")
 
 
-def _fresh_state(model, seed: int, target_dir: str) -> dict[str, torch.Tensor]:
-    """The initial weights training started from: ``train_worker`` seeds ``train.seed`` right before
-    building the drafter of its recorded config (no other torch draw in between), so the same seed
-    and config rebuild them exactly."""
+def _fresh_state(model, seed: int, target_dir: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The initial weights training started from, floating tensors in the training ``dtype`` (a bf16
+    engine rounds the fp32 initialisation to bf16 before its first step): ``train_worker`` seeds
+    ``train.seed`` right before building the drafter of its recorded config (no other torch draw in
+    between), so the same seed and config rebuild them exactly."""
     from training.loop import build_drafter_from
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         fresh = build_drafter_from(model.config, target_dir, getattr(model, "d2t", None))
-    return {k: v.detach() for k, v in fresh.state_dict().items()}
+    return {k: v.detach().to(dtype) if v.is_floating_point() else v.detach() for k, v in fresh.state_dict().items()}
+
+
+def _training_record(cfg: RunConfig, name: str) -> tuple[list[str], torch.dtype]:
+    """What drafter ``name``'s newest committed checkpoint records for the export guard: the tensors
+    whose fp32 master weights moved past their stored bf16 copy (``master_ahead``) and the stored
+    weights' dtype (``weights_dtype``); checkpoints written before these records: none, float32."""
+    from training.checkpoint import latest_checkpoint
+
+    state = latest_checkpoint(join(cfg.run_dir, "train", name))[1]
+    return list(state.get("master_ahead", [])), getattr(torch, state.get("weights_dtype", "float32"))
 
 
 def _vllm_view(cfg: RunConfig, name: str, info: dict[str, Any]) -> dict[str, Any] | None:
@@ -73,11 +84,12 @@ def run_export(cfg: RunConfig) -> dict[str, Any]:
         fs, path = filesystem(report_url)
         report = read_json(report_url) if fs.exists(path) else None
         out = join(cfg.run_dir, "export", name)
+        ahead, dtype = _training_record(cfg, name)
         info = export_drafter(model, target_dir, out,
                               temperatures=None if report is None else report["temperatures"],
                               global_temperature=None if report is None else report.get("global_temperature"),
                               fold_tolerance=cfg.export.fold_temperature_tolerance,
-                              initial=_fresh_state(model, cfg.train.seed, target_dir),
+                              initial=_fresh_state(model, cfg.train.seed, target_dir, dtype), master_ahead=ahead,
                               fmt=cfg.export.format,
                               verifier=target_dir if cfg.target.path.startswith("embedded:") else cfg.target.path,
                               enable_thinking=cfg.data.render.enable_thinking)

@@ -45,7 +45,8 @@ Serving constraints checked here: vLLM's DFlash method always uses the ``[anchor
 layout (``sample_from_anchor=false``) and has no confidence head; its DSpark model has only the
 vanilla Markov head. vLLM rejects unknown tensor names but never reports a missing one (it stays
 uninitialised), so :func:`check_tensors` checks the key set and shapes derived from ``config.json``
-itself, finiteness, and that no tensor still holds its initial value.
+itself, finiteness, and that no tensor was left untrained (judged on the trained weights and the
+checkpoint's record of the fp32 master weights that moved, not on the bf16 copy alone).
 
 Confidence: vLLM applies the raw ``sigmoid`` of the confidence head (no temperature). The calibrate
 stage's global temperature ``T`` (``training.sts.fit_global_temperature``, the best transform that
@@ -60,7 +61,7 @@ the global temperature fall back to folding only when all ``T_k`` agree within
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -353,19 +354,32 @@ def _init_constant(name: str, t: torch.Tensor) -> bool:
     return False
 
 
+def _untrained(name: str, w: torch.Tensor, initial: Mapping[str, torch.Tensor] | None) -> bool:
+    """True if the trained weight ``w`` still holds its init constant or, when given, ``initial[name]``."""
+    return _init_constant(name, w) or (initial is not None and name in initial
+                                       and torch.equal(initial[name].to(w.dtype), w))
+
+
 def check_tensors(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                  initial: Mapping[str, torch.Tensor] | None = None) -> None:
+                  initial: Mapping[str, torch.Tensor] | None = None, *,
+                  weights: Mapping[str, torch.Tensor] | None = None, master_ahead: Collection[str] = ()) -> None:
     """Refuse an incomplete or untrained checkpoint before vLLM silently loads it.
 
     Checks: the key set equals ``expected`` (``embed_tokens`` / ``lm_head`` may be extra: a drafter
     whose own copies differ from the target's), shapes and dtypes match, floating tensors are finite,
-    and no tensor still holds its initial value: neither its init constant (norm weights all 1, biases
-    all 0, ``markov_w2`` all 0, as ``training.drafter.Drafter._init_trainable``) nor, when ``initial``
-    is given, exactly the tensor of a freshly initialised drafter with the training seed.
+    and no tensor was left untrained: its trained weight (``weights``, the drafter's own state before
+    the cast to the export dtype; default ``tensors``) still holds its init constant (norm weights
+    all 1, biases all 0, ``markov_w2`` all 0, as ``training.drafter.Drafter._init_trainable``) or, when
+    ``initial`` is given, exactly the tensor of a freshly initialised drafter with the training seed,
+    in the training dtype, and its name is not in ``master_ahead``. ``master_ahead`` is the
+    checkpoint's record of the tensors whose fp32 master weights moved while their stored bf16 copy
+    did not (``training.loop.master_ahead``): a short bf16 run moves a norm weight at 1.0 by less than
+    bf16's spacing there (2**-7), so the stored weights alone would call it untrained.
 
     Raises:
         ExportError: listing every problem found.
     """
+    weights = tensors if weights is None else weights
     problems = [f"missing {k}" for k in sorted(set(expected) - set(tensors))]
     problems += [f"unexpected {k} (vLLM rejects unknown names)" for k in sorted(set(tensors) - set(expected))
                  if k not in _SHARED]
@@ -374,8 +388,7 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tu
             problems.append(f"{name} is {tuple(t.shape)} {t.dtype}, expected {expected[name][0]} {expected[name][1]}")
         elif t.is_floating_point() and not torch.isfinite(t).all():
             problems.append(f"{name} holds NaN/inf")
-        elif name not in _FROZEN and (_init_constant(name, t) or (
-                initial is not None and name in initial and torch.equal(initial[name].to(t.dtype), t))):
+        elif name not in _FROZEN and name not in master_ahead and _untrained(name, weights.get(name, t), initial):
             problems.append(f"{name} still holds its initial value (never trained)")
     if problems:
         raise ExportError("the drafter does not make a complete vLLM checkpoint: " + "; ".join(problems)
@@ -411,8 +424,9 @@ def _write(out_url: str, config: dict[str, Any], tensors: Mapping[str, torch.Ten
 
 def export_drafter(model, target_dir: str, out_url: str, *, temperatures: Sequence[float] | None = None,
                    global_temperature: float | None = None, fold_tolerance: float | None = None,
-                   initial: Mapping[str, torch.Tensor] | None = None, fmt: str = "native",
-                   verifier: str | None = None, enable_thinking: bool | None = None) -> dict[str, Any]:
+                   initial: Mapping[str, torch.Tensor] | None = None, master_ahead: Collection[str] = (),
+                   fmt: str = "native", verifier: str | None = None,
+                   enable_thinking: bool | None = None) -> dict[str, Any]:
     """Write ``config.json`` + ``model.safetensors`` of one drafter in format ``fmt`` (module docstring).
 
     Args:
@@ -423,8 +437,10 @@ def export_drafter(model, target_dir: str, out_url: str, *, temperatures: Sequen
         global_temperature: the one temperature to fold into the confidence head (module docstring).
         fold_tolerance: without ``global_temperature``, fold the geometric mean of ``temperatures``
             when ``max(T)/min(T) - 1 <= fold_tolerance``; None never folds.
-        initial: the state dict of a freshly initialised drafter with the training seed (see
-            :func:`check_tensors`); None checks the init constants only.
+        initial: the state dict of a freshly initialised drafter with the training seed, in the
+            training dtype (see :func:`check_tensors`); None checks the init constants only.
+        master_ahead: the checkpoint's tensors whose fp32 master weights moved past their stored bf16
+            weights (its ``master_ahead`` record; :func:`check_tensors`): trained, whatever they hold.
         fmt: one of :data:`FORMATS`. verifier: the target's name or path for the speculators format
             (default ``target_dir``).
         enable_thinking: the thinking mode the drafter was trained for (``data.render.enable_thinking``;
@@ -456,7 +472,8 @@ def export_drafter(model, target_dir: str, out_url: str, *, temperatures: Sequen
     embed, lm_head = load_shared_weights(target_dir)
     tensors, dropped = drafter_tensors(model, expected, embed, lm_head)
     init = None if initial is None else {k: v for k, v in initial.items() if k in expected}
-    check_tensors(tensors, expected, init)
+    check_tensors(tensors, expected, init, weights={k: v.detach().cpu() for k, v in model.state_dict().items()},
+                  master_ahead=master_ahead)
     arch = architecture(model.config)
     if folded is not None and arch == DSPARK_ARCH:
         tensors = fold_confidence(tensors, folded)

@@ -6,12 +6,11 @@ against the training config (before any worker starts) and launches the trainers
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pipeline.config import RunConfig
-from storage import join, read_json
+from storage import filesystem, join, read_json
 
 
 def train_job(cfg: RunConfig, name: str, fingerprint_json: str, target_dir: str):
@@ -37,6 +36,32 @@ def train_job(cfg: RunConfig, name: str, fingerprint_json: str, target_dir: str)
         storage=cfg.storage, features=t.features.value, step_delay_s=t.step_delay_s,
         stream_bound_bytes=t.stream_memory_bytes if t.features.value != "cache" else None,
         metrics_flush_seconds=t.metrics_flush_seconds, keep_checkpoints=t.keep_checkpoints)
+
+
+def ray_storage(run_dir: str, name: str) -> dict[str, Any]:
+    """Ray Train's storage for drafter ``name`` (``RunConfig`` keyword arguments): the run's own
+    storage, ``<run_dir>/train/<name>/ray``, which every node of a cluster reaches (a temporary folder
+    on the driver does not: the workers of other nodes would write their storage marker into a
+    folder of their own machine).
+
+    Ray Train keeps only its own run state there (a storage marker per run; checkpoints only for
+    ``ray.train.report(checkpoint=...)``, which the workers never call): the product's checkpoints
+    and resume are :mod:`training.checkpoint`'s, on ``<run_dir>/train/<name>``. Object storage
+    goes through the product's fsspec filesystem (its S3 endpoint, credentials and retry policy),
+    wrapped for Ray as a ``pyarrow.fs.PyFileSystem(FSSpecHandler(fs))``.
+
+    Returns:
+        ``{"storage_path": path}`` (absolute) for a local ``run_dir``, else also
+        ``"storage_filesystem"``.
+    """
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, path = filesystem(join(run_dir, "train", name, "ray"))
+    if isinstance(fs, LocalFileSystem):
+        return {"storage_path": path}
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    return {"storage_path": path, "storage_filesystem": PyFileSystem(FSSpecHandler(fs))}
 
 
 def expected_fingerprint(cfg: RunConfig, target_dir: str):
@@ -144,7 +169,7 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
             train_loop_config={"job": jobs[name]},
             scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                                    resources_per_worker={"CPU": cfg.train.cpus_per_worker}),
-            run_config=ray.train.RunConfig(name=f"dspark-train-{name}", storage_path=tempfile.mkdtemp(),
+            run_config=ray.train.RunConfig(name=f"dspark-train-{name}", **ray_storage(cfg.run_dir, name),
                                            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures)),
             **({"datasets": datasets, "dataset_config": dataset_config} if datasets is not None else {}))
         trainer.fit()
