@@ -8,7 +8,7 @@ export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/dspark-torch-extensions
 export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: install demo demo-cluster test test-fast test-vllm test-compat bench clean clean-runs check-gpu-install \
-	gpu-check gpu-check-dry
+	gpu-check gpu-check-dry rehearsal
 
 # One pip command installs everything (torch pinned to the CPU build on the same line; a later,
 # separate moto install would break the s3fs/botocore pin). constraints.txt is the resolved set
@@ -109,6 +109,13 @@ gpu-check:
 
 gpu-check-dry: install
 	$(PY) bench/gpu_check.py --dry --out runs/gpu-check/dry.json
+
+# The whole recipe (generate, cache, train, calibrate, export, evaluate, vLLM loading the export) on a random
+# target of Qwen3-4B's real shape, on this CPU; writes runs/rehearsal/rehearsal.json and prints its table
+# (bench/rehearsal.py). REHEARSAL_ARGS="--depth 8" cuts the target's depth (widths kept), "--quick" the widths too.
+REHEARSAL_ARGS ?=
+rehearsal: install
+	$(PY) bench/rehearsal.py $(REHEARSAL_ARGS)
 
 bench: install
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

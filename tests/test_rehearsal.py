@@ -1,0 +1,90 @@
+"""bench/rehearsal.py (``make rehearsal``): the layer mapping, the tokenizer mapped into Qwen3's vocabulary, the
+report's must-show keys (issue #34 item 2) from a dry run, and (integration) every stage in ``--quick`` mode."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def rehearsal():
+    spec = importlib.util.spec_from_file_location("rehearsal", REPO / "bench" / "rehearsal.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["rehearsal"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_map_layer_ids(rehearsal):
+    assert rehearsal.map_layer_ids(36) == [1, 9, 17, 25, 33]
+    assert rehearsal.map_layer_ids(8) == [1, 2, 3, 4, 5]
+    assert rehearsal.map_layer_ids(10) == [1, 3, 4, 6, 7]  # the last captured layer stays depth - 3
+    with pytest.raises(ValueError, match="at least 8 layers"):
+        rehearsal.map_layer_ids(7)
+
+
+def test_extend_tokenizer_maps_ids_into_qwen3_vocabulary(rehearsal, tmp_path):
+    from transformers import AutoTokenizer
+
+    rehearsal.extend_tokenizer(rehearsal.EMBEDDED_TOKENIZER, tmp_path, 151936)
+    tok = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    small = AutoTokenizer.from_pretrained(rehearsal.EMBEDDED_TOKENIZER, local_files_only=True)
+    assert len(tok) == 151936
+    assert tok.convert_ids_to_tokens([151643, 151644, 151645, 151667, 151668, 151669]) == [
+        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|mask|>"]
+    assert tok.eos_token_id == 151645 and tok.pad_token_id == 151643
+    assert tok.decode([0, 100000, 151935]) == "<|ph_0|><|ph_100000|><|ph_151935|>"  # every id decodes
+    text = "def f(x):\n    return x + 1"
+    assert tok(text)["input_ids"] == small(text)["input_ids"]  # ordinary tokens keep their ids
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    assert ids[0] == 151644 and ids.count(151645) == 1
+
+
+def test_dry_report_holds_the_must_show_keys(rehearsal, tmp_path):
+    assert rehearsal.main(["--dry", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "rehearsal.json").read_text())
+    assert report["missing_keys"] == [] and rehearsal.missing_keys(report) == []
+    assert {k: report["target"][k] for k in rehearsal.REQUIRED["target"]} == {
+        "hidden_size": 2560, "vocab_size": 151936, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128}
+    assert report["depth"] == 36 and report["target"]["target_layer_ids"] == [1, 9, 17, 25, 33]
+    assert report["drafter"]["trainable_parameters"] == 615_221_249
+    for cluster in ("8xH200", "64xH200"):
+        for stage in ("generate", "cache", "train"):
+            row = report["projection"][cluster][stage]
+            assert row["s_per_1e9_tokens"] > 0 and row["bound"] in ("compute", "hbm", "pcie", "network", "s3_put", "s3_get")
+    assert "+stage=cache" in report["commands"]["cache"] and "conf/qwen3_4b.yaml" in report["commands"]["cache"]
+    del report["cache"]["bytes_per_token"], report["stages"]["vllm_load"]["wall_s"]
+    assert rehearsal.missing_keys(report) == ["cache.bytes_per_token", "stages.vllm_load.wall_s"]
+
+
+def test_cache_figures_check_against_estimate(rehearsal):
+    est = rehearsal.cache_figures({"tokens": 1000, "bytes": 28_000_000, "shards": 2, "estimate_bytes": 28_100_000,
+                                   "supervised_tokens": 600}, peak_rss=7 * 2**30, hidden=2560, n_layers=5)
+    assert est["analytic_bytes_per_token"] == 5 * 2560 * 2 + 2560 * 2 + 5
+    assert est["bytes_per_token"] == 28_000 and est["bytes_within_1pct_of_estimate"] is True
+    assert est["peak_rss_over_shard_bytes"] == pytest.approx(7 * 2**30 / 14_000_000)
+    off = rehearsal.cache_figures({"tokens": 1000, "bytes": 29_000_000, "shards": 1, "estimate_bytes": 28_000_000},
+                                  peak_rss=0, hidden=2560, n_layers=5)
+    assert off["bytes_within_1pct_of_estimate"] is False
+
+
+@pytest.mark.integration
+def test_quick_rehearsal_runs_every_stage(rehearsal, tmp_path):
+    rc = rehearsal.main(["--quick", "--out", str(tmp_path), "--skip", "vllm_load"])
+    report = json.loads((tmp_path / "rehearsal.json").read_text())
+    assert report["missing_keys"] == []
+    for stage in ("generate", "cache", "train", "calibrate", "evaluate"):
+        assert report["stages"][stage]["ok"] is True, report["stages"][stage].get("error")
+        assert report["stages"][stage]["wall_s"] > 0 and report["stages"][stage]["peak_rss_bytes"] > 2**20
+    assert report["checks"]["cache_bytes_within_1pct"] is True
+    assert all(v > 0 for v in report["train"]["step_split_s"].values())
+    assert sum(report["train"]["checkpoint_bytes"].values()) > 0
+    assert rc == (0 if report["stages"]["export"]["ok"] else 1)
