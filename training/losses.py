@@ -10,8 +10,24 @@ DSpark paper sec. 3.3 (training objective, eq. 12), per supervised predicting sl
 ``c*_k = sum_v min(p_d, p_t)`` is the probability that speculative sampling accepts the draft at k
 given an accepted prefix (Leviathan et al. 2023, Theorem 3.5), hence the confidence target.
 ``p_t`` is recomputed from the cached final hidden state with the frozen target ``lm_head``; both
-``p_d`` and ``p_t`` are computed ``chunk_size`` slots at a time under activation checkpointing, so
-no tensor of size (supervised slots x V) is ever alive, in forward or backward.
+``p_d`` and ``p_t`` are computed ``chunk_size`` slots at a time, so no tensor of size
+(supervised slots x V) is ever alive, in forward or backward. Two ways to get the gradient
+(``LossConfig.fused``):
+
+- fused (default): the loss is linear in the per-slot CE and TV, so the forward computes, chunk by
+  chunk, the closed-form gradient of ``a_CE w ce + a_TV w tv`` (divided by the global W, all-reduced
+  before the chunk loop) with respect to the logits ``z = lm_head h + W2 u`` of each slot,
+
+      d ce / d z = p_d - onehot(x)                      (zero for a slot without a label)
+      d tv / d z = p_d * (s - <s, p_d>),   s = sign(p_d - p_t)
+
+  (softmax Jacobian ``d p_v / d z_j = p_v (delta_vj - p_j)`` applied to ``-log p_x`` and to
+  ``sum_v |p_v - t_v|``; ``sign(0) = 0`` as torch's ``abs``; the target mass outside a reduced draft
+  vocabulary is a constant), and turns it at once into the gradients of ``hidden`` (``G lm_head``),
+  of the Markov features ``u`` (``G W2``) and of ``W2`` (``G^T u``); the backward only scales them by
+  the incoming gradient, so it does no vocabulary projection at all;
+- checkpointed (``fused=False``): each chunk under activation checkpointing, whose backward
+  recomputes both vocabulary projections and back-propagates through the softmax by autograd.
 
 Because W is global, the returned ``loss`` is this rank's share: summed over ranks it equals the
 loss of one rank holding all slots, whatever the world size. Engines that *average* gradients over
@@ -42,6 +58,8 @@ class LossConfig:
         ce_weight: a_CE. tv_weight: a_TV. confidence_weight: a_conf (ignored without a confidence head).
         decay_lambda: lambda of ``w_k = exp(-(k-1)/lambda)`` in slots; ``inf`` disables the decay.
         chunk_size: supervised slots per chunk when computing ``p_d`` / ``p_t`` (memory ~ chunk x V).
+        fused: compute the logit gradients in the forward, in closed form (module docstring; needs
+            frozen ``lm_head`` / ``target_lm_head``); False = the checkpointed autograd path.
     """
 
     ce_weight: float = 0.1
@@ -49,6 +67,7 @@ class LossConfig:
     confidence_weight: float = 1.0
     decay_lambda: float = 4.0
     chunk_size: int = 512
+    fused: bool = True
 
     def __post_init__(self):
         if min(self.ce_weight, self.tv_weight, self.confidence_weight) < 0:
@@ -162,21 +181,142 @@ def expected_tau(c_star: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return 1 + (c_star.float() * valid).cumprod(dim=-1).sum(dim=-1)
 
 
-def _chunk_terms(h, u, th, lbl, has_lbl, lm_head, w2, target_lm_head, draft_ids):
-    """CE and TV of one chunk: ``h`` [m, H], ``u`` [m, r] | None, ``th`` [m, H] -> ([m], [m]) float32."""
-    logits = (h.to(lm_head.dtype) @ lm_head.t()).float()
+def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for the training dtypes (bf16, fp16, fp32); float64 heads (tests) stay float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _draft_logits(h, u, lm_head, w2):
+    """``z = lm_head h (+ W2 u)`` of a chunk: ``h`` [m, H], ``u`` [m, r] | None -> [m, V_draft],
+    projections in the weights' dtype, sum in :func:`_softmax_dtype`."""
+    dt = _softmax_dtype(lm_head.dtype)
+    logits = (h.to(lm_head.dtype) @ lm_head.t()).to(dt)
     if u is not None:
-        logits = logits + (u.to(w2.dtype) @ w2.t()).float()
-    logp = torch.log_softmax(logits, dim=-1)
+        logits = logits + (u.to(w2.dtype) @ w2.t()).to(dt)
+    return logits
+
+
+@torch.no_grad()
+def _target_probs(th, target_lm_head, draft_ids):
+    """``p_t`` of a chunk ``th`` [m, H] on the draft ids ([m, V_draft]) and the target mass outside them
+    ([m], zeros for the full vocabulary)."""
+    logits = th.to(target_lm_head.dtype) @ target_lm_head.t()
+    p_t = torch.softmax(logits.to(_softmax_dtype(target_lm_head.dtype)), dim=-1)
+    if draft_ids is None:
+        return p_t, p_t.new_zeros(p_t.shape[0])
+    p_t = p_t[:, draft_ids]
+    return p_t, (1 - p_t.sum(-1)).clamp_min(0)
+
+
+def _chunk_terms(h, u, th, lbl, has_lbl, lm_head, w2, target_lm_head, draft_ids):
+    """CE and TV of one chunk by autograd: ``h`` [m, H], ``u`` [m, r] | None, ``th`` [m, H] -> ([m], [m])."""
+    logp = torch.log_softmax(_draft_logits(h, u, lm_head, w2), dim=-1)
     ce = -logp.gather(-1, lbl.clamp_min(0).unsqueeze(-1)).squeeze(-1) * has_lbl
-    with torch.no_grad():
-        p_t = torch.softmax((th.to(target_lm_head.dtype) @ target_lm_head.t()).float(), dim=-1)
-        outside = torch.zeros_like(ce)
-        if draft_ids is not None:
-            p_t = p_t[:, draft_ids]
-            outside = (1 - p_t.sum(-1)).clamp_min(0)
+    p_t, outside = _target_probs(th, target_lm_head, draft_ids)
     tv = (logp.exp() - p_t).abs().sum(-1) + outside
     return ce, tv
+
+
+def _checkpointed_terms(hidden, u, th, labels, has_lbl, lm_head, w2, target_lm_head, draft_ids, chunk_size):
+    """Per-slot CE and TV ([M], [M]) chunk by chunk, under activation checkpointing when grad is on."""
+    ce_parts, tv_parts = [], []
+    use_ckpt = torch.is_grad_enabled()
+    for lo in range(0, max(hidden.shape[0], 1), chunk_size):
+        sl = slice(lo, lo + chunk_size)
+        args = (hidden[sl], None if u is None else u[sl], th[sl], labels[sl], has_lbl[sl], lm_head, w2,
+                target_lm_head, draft_ids)
+        ce, tv = checkpoint(_chunk_terms, *args, use_reentrant=False) if use_ckpt else _chunk_terms(*args)
+        ce_parts.append(ce)
+        tv_parts.append(tv)
+    return torch.cat(ce_parts), torch.cat(tv_parts)
+
+
+def _fused_chunk(h, u, th, lbl, has_lbl, k_ce, k_tv, lm_head, w2, target_lm_head, draft_ids):
+    """CE, TV and the logit gradient of one chunk.
+
+    Args:
+        h [m, H], u [m, r] | None, th [m, H], lbl [m] draft ids (clamped >= 0 here), has_lbl [m] 0/1;
+        k_ce, k_tv: [m] coefficients of ``ce`` and ``tv`` in the loss (``a w / W``; ``k_ce = 0``
+        where the slot has no label).
+    Returns:
+        ce [m], tv [m] and ``G = d(sum k_ce ce + k_tv tv) / dz`` [m, V_draft] in :func:`_softmax_dtype`:
+        ``G = p (k_tv (s - <s, p>) + k_ce) - k_ce onehot(lbl)`` (module docstring), built in place
+        in the buffer of ``s`` (``p`` reuses the log-softmax's, ``p - p_t`` the target's).
+    """
+    logp = torch.log_softmax(_draft_logits(h, u, lm_head, w2), dim=-1)
+    lbl = lbl.clamp_min(0).unsqueeze(-1)
+    ce = -logp.gather(-1, lbl).squeeze(-1) * has_lbl
+    p = logp.exp_()
+    p_t, outside = _target_probs(th, target_lm_head, draft_ids)
+    d = p_t.neg_().add_(p)  # p - p_t
+    s = d.sign()
+    # plain sums (pairwise): CPU vector_norm / einsum accumulate 151,936 terms at ~1e-4 relative error
+    tv = d.abs_().sum(-1) + outside
+    s_dot_p = torch.mul(s, p, out=d).sum(-1)
+    del d
+    k_ce, k_tv = k_ce.to(p.dtype).unsqueeze(-1), k_tv.to(p.dtype).unsqueeze(-1)
+    G = s.sub_(s_dot_p.unsqueeze(-1)).mul_(k_tv).add_(k_ce).mul_(p)
+    return ce, tv, G.scatter_add_(-1, lbl, -k_ce)
+
+
+class _FusedTerms(torch.autograd.Function):
+    """``sum_m k_ce,m ce_m + k_tv,m tv_m`` whose forward also computes the gradients w.r.t. ``hidden``,
+    ``u`` and ``W2`` (one chunk of slots at a time) and whose backward only scales them.
+
+    forward(hidden [M, H], u [M, r] | None, w2 [V_draft, r] | None, th [M, H], labels [M] draft ids,
+    has_lbl [M], k_ce [M], k_tv [M], lm_head [V_draft, H], target_lm_head [V, H], draft_ids [V_draft] | None,
+    chunk_size) -> (scalar, ce [M], tv [M]); ``ce``/``tv`` are detached, in :func:`_softmax_dtype`.
+    ``lm_head`` and ``target_lm_head`` get no gradient (frozen). ``d W2`` is accumulated over chunks in
+    float32 (:func:`_softmax_dtype`) and cast to ``W2``'s dtype in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, u, w2, th, labels, has_lbl, k_ce, k_tv, lm_head, target_lm_head, draft_ids,
+                chunk_size):
+        need_h, need_u, need_w2 = ctx.needs_input_grad[:3]
+        g_h = torch.empty_like(hidden) if need_h else None
+        g_u = torch.empty_like(u) if need_u else None
+        g_w2 = torch.zeros(w2.shape, dtype=_softmax_dtype(w2.dtype), device=w2.device) if need_w2 else None
+        ce_parts, tv_parts = [], []
+        for lo in range(0, max(hidden.shape[0], 1), chunk_size):
+            sl = slice(lo, lo + chunk_size)
+            uc = None if u is None else u[sl]
+            ce, tv, G = _fused_chunk(hidden[sl], uc, th[sl], labels[sl], has_lbl[sl], k_ce[sl], k_tv[sl],
+                                     lm_head, w2, target_lm_head, draft_ids)
+            ce_parts.append(ce)
+            tv_parts.append(tv)
+            if need_h:
+                g_h[sl] = G.to(lm_head.dtype) @ lm_head
+            if need_u or need_w2:
+                Gw = G.to(w2.dtype)
+                if need_u:
+                    g_u[sl] = Gw @ w2
+                if need_w2:
+                    g_w2 += Gw.t() @ uc.to(w2.dtype)
+            del G
+        ce, tv = torch.cat(ce_parts), torch.cat(tv_parts)
+        ctx.w2_dtype = None if w2 is None else w2.dtype
+        ctx.save_for_backward(g_h, g_u, g_w2)
+        ctx.mark_non_differentiable(ce, tv)
+        return (k_ce.to(ce.dtype) * ce + k_tv.to(tv.dtype) * tv).sum(), ce, tv
+
+    @staticmethod
+    def backward(ctx, grad, _ce, _tv):
+        g_h, g_u, g_w2 = ctx.saved_tensors
+        return _scaled(g_h, grad), _scaled(g_u, grad), _scaled(g_w2, grad, ctx.w2_dtype), *[None] * 9
+
+
+def _scaled(g, grad, dtype=None):
+    """``g * grad`` computed in float32 (at least; ``grad``, e.g. world / accumulation under DeepSpeed, is
+    no bf16 number) and returned in ``dtype`` (default ``g``'s); None stays None."""
+    if g is None:
+        return None
+    return (g.to(_softmax_dtype(g.dtype)) * grad).to(dtype or g.dtype)
+
+
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd is on and one of ``tensors`` (None allowed) requires a gradient."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
@@ -199,13 +339,18 @@ def drafter_loss(slots: SupervisedSlots, *, lm_head: torch.Tensor, target_lm_hea
         lm_head: [V_draft, H] the drafter's frozen output head. target_lm_head: [V, H] the target's.
         markov_w2: [V_draft, r] or None; required iff ``slots.bias_features`` is given.
         draft_to_target: [V_draft] int64 target id of each draft id, or None (full vocabulary).
-        config: weights, lambda, chunk size. group: process group for the all-reduce (default world).
-        reduce: all-reduce the statistics (training); False keeps them local, for callers that sum
-            them over many batches first and reduce once (:func:`metrics_from_stats`).
+        config: weights, lambda, chunk size, fused or checkpointed gradient. group: process group for
+            the all-reduces (default world).
+        reduce: all-reduce the statistics (training; the fused path with gradients also all-reduces W
+            alone before its chunk loop); False keeps them local, for callers that sum them over many
+            batches first and reduce once (:func:`metrics_from_stats`).
     Returns:
         :class:`LossOutput`; with no supervised slot anywhere the loss is 0 with zero gradients.
+        Without autograd (``torch.no_grad`` or no input requiring grad) both paths compute the same
+        plain chunked forward.
     Raises:
-        ValueError: inconsistent shapes or a missing ``markov_w2``.
+        ValueError: inconsistent shapes, a missing ``markov_w2``, or (fused) an ``lm_head`` /
+            ``target_lm_head`` that requires grad.
     """
     M = slots.labels.shape[0]
     if (slots.bias_features is None) != (markov_w2 is None):
@@ -218,19 +363,23 @@ def drafter_loss(slots: SupervisedSlots, *, lm_head: torch.Tensor, target_lm_hea
     if draft_to_target is not None:
         labels = target_to_draft_ids(draft_to_target, target_lm_head.shape[0])[labels.clamp_min(0)]
         has_lbl = has_lbl * (labels >= 0).float()
-    ce_parts, tv_parts = [], []
-    use_ckpt = torch.is_grad_enabled()
-    for lo in range(0, max(M, 1), config.chunk_size):
-        sl = slice(lo, lo + config.chunk_size)
-        u = None if slots.bias_features is None else slots.bias_features[sl]
-        args = (slots.hidden[sl], u, slots.target_hidden[sl], labels[sl], has_lbl[sl], lm_head,
-                markov_w2, target_lm_head, draft_to_target)
-        ce, tv = checkpoint(_chunk_terms, *args, use_reentrant=False) if use_ckpt else _chunk_terms(*args)
-        ce_parts.append(ce)
-        tv_parts.append(tv)
-    ce, tv = torch.cat(ce_parts), torch.cat(tv_parts)
     w = position_weights(slots.slot, config.decay_lambda)
-    c_star = (1 - 0.5 * tv.detach()).clamp(0, 1)
+    fused_loss = None
+    if config.fused and _needs_grad(slots.hidden, slots.bias_features, markov_w2):
+        if lm_head.requires_grad or target_lm_head.requires_grad:
+            raise ValueError("the fused loss gives lm_head / target_lm_head no gradient: freeze them "
+                             "(requires_grad=False) or set LossConfig(fused=False)")
+        W = w.sum()
+        W = (_all_reduce(W.clone(), group) if reduce else W).clamp_min(1e-12).to(_softmax_dtype(lm_head.dtype))
+        w_over_W = w.to(W.dtype) / W
+        fused_loss, ce, tv = _FusedTerms.apply(
+            slots.hidden, slots.bias_features, markov_w2, slots.target_hidden, labels, has_lbl,
+            config.ce_weight * w_over_W * has_lbl, config.tv_weight * w_over_W, lm_head, target_lm_head,
+            draft_to_target, config.chunk_size)
+    else:
+        ce, tv = _checkpointed_terms(slots.hidden, slots.bias_features, slots.target_hidden, labels, has_lbl,
+                                     lm_head, markov_w2, target_lm_head, draft_to_target, config.chunk_size)
+    c_star = (1 - 0.5 * tv.detach().float()).clamp(0, 1)
     nums = [(w * ce).sum(), (w * tv).sum()]
     conf = slots.confidence_logits
     if conf is not None:
@@ -254,6 +403,9 @@ def drafter_loss(slots: SupervisedSlots, *, lm_head: torch.Tensor, target_lm_hea
             stats = _all_reduce(stats, group)
     W = stats[0]
     weights = (config.ce_weight, config.tv_weight, config.confidence_weight if conf is not None else 0.0)
-    loss = sum(a * n for a, n in zip(weights, nums)) / W.clamp_min(1e-12)
+    if fused_loss is None:
+        loss = sum(a * n for a, n in zip(weights, nums)) / W.clamp_min(1e-12)
+    else:
+        loss = fused_loss + weights[2] * nums[2] / W.clamp_min(1e-12)
     metrics = metrics_from_stats(stats, gamma, config, has_confidence=conf is not None)
     return LossOutput(loss=loss, c_star=c_star, metrics=metrics, stats=stats)
