@@ -215,7 +215,7 @@ def overrides(out: Path, layer_ids: Sequence[int], scale: Scale) -> list[str]:
             f"data.max_length={scale.max_length}",
             "generate.engine=hf", f"generate.max_rows={scale.rows}", f"generate.max_new_tokens={scale.max_new_tokens}",
             f"generate.batch_size={scale.rows}", f"generate.rows_per_shard={scale.rows}",
-            f"cache.rows_per_shard={scale.rows_per_shard}", "cache.num_workers=1", "cache.gpus_per_worker=0",
+            f"cache.rows_per_shard={scale.rows_per_shard}", "cache.num_workers=1", "cache.gpus_per_worker=0", "cache.cpus_per_worker=1",
             f"cache.max_tokens_per_batch={max(4096, scale.max_length)}",
             "train.num_workers=1", "train.use_gpu=false", "train.cpus_per_worker=2", "train.global_batch_samples=2",
             "train.micro_batch_samples=2", f"train.max_steps={scale.steps}", f"train.num_anchors={scale.anchors}",
@@ -372,7 +372,7 @@ def bare_forward_rate(target_dir: Path, lengths: Sequence[int], threads: int) ->
 def checkpoint_bytes(run_dir: Path) -> dict[str, int]:
     """Bytes of each committed checkpoint folder under ``<run_dir>/train/<drafter>/``."""
     out = {}
-    for d in sorted((run_dir / "train").glob("*/checkpoint*")) + sorted((run_dir / "train").glob("*/checkpoints/*")):
+    for d in sorted((run_dir / "train").glob("*/checkpoints/step-*")):
         if d.is_dir():
             out[str(d.relative_to(run_dir))] = dir_bytes(d)
     return out
