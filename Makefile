@@ -7,7 +7,7 @@ export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/dspark-torch-extensions
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo demo-cluster test test-fast test-vllm test-compat bench clean clean-runs check-gpu-install \
+.PHONY: install demo demo-cluster test test-faults test-fast test-vllm test-compat bench clean clean-runs check-gpu-install \
 	gpu-check gpu-check-dry rehearsal
 
 # One pip command installs everything (torch pinned to the CPU build on the same line; a later,
@@ -30,7 +30,12 @@ demo-cluster: install
 	$(PY) bench/demo_cluster.py
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not cluster_faults"
+
+# The node- and actor-loss tests on a 3-raylet local cluster (tests/test_cluster_faults.py, issue #37): by hand,
+# not yet in make test (they do not all pass yet; bench/bench_cluster_faults.py measures the cache stage's).
+test-faults: install
+	$(PY) -m pytest -q -m cluster_faults
 
 test-fast: install
 	$(PY) -m pytest -q -m "not integration"
@@ -110,10 +115,12 @@ gpu-check:
 gpu-check-dry: install
 	$(PY) bench/gpu_check.py --dry --out runs/gpu-check/dry.json
 
-# The whole recipe (generate, cache, train, calibrate, export, evaluate, vLLM loading the export) on a random
-# target of Qwen3-4B's real shape, on this CPU; writes runs/rehearsal/rehearsal.json and prints its table
-# (bench/rehearsal.py). REHEARSAL_ARGS="--depth 8" cuts the target's depth (widths kept), "--quick" the widths too.
-REHEARSAL_ARGS ?=
+# The whole recipe (generate, cache, train, calibrate, export, evaluate, vLLM loading the DSpark export and
+# serving the DFlash one at T=0 against the target alone) on a random target of Qwen3-4B's real shape, on
+# this CPU; writes runs/rehearsal/rehearsal.json and prints its table (bench/rehearsal.py). By default the
+# target's depth is cut to 8 layers (widths kept; about 35 min here); REHEARSAL_ARGS="--depth 36" runs the
+# real depth (over an hour), "--quick" cuts the widths too (a few minutes).
+REHEARSAL_ARGS ?= --depth 8
 rehearsal: install
 	$(PY) bench/rehearsal.py $(REHEARSAL_ARGS)
 

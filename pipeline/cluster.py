@@ -1,44 +1,225 @@
-"""Ray start-up shared by every stage: join a cluster when there is one, else start a local one."""
+"""Ray start-up shared by every stage: join a cluster only when asked, else start a private instance.
+
+The rule (issue #37 item 5): a run joins a Ray cluster only when it is given one, by ``ray.address``
+(an address, or ``auto`` for the cluster of this machine's latest ``ray start``) or by ``$RAY_ADDRESS``
+(which ``ray job submit`` sets for its driver). Otherwise it starts a private instance
+(``ray.init(address="local")``) whatever else runs on the machine: a user's ``ray start`` cluster or
+another run's private instance is never joined by accident, and ``ray.num_cpus`` /
+``ray.object_store_memory`` always apply.
+"""
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 from pipeline.config import RayConfig
 
+log = logging.getLogger("pipeline.cluster")
+
+
+def ray_address(cfg: RayConfig) -> Optional[str]:
+    """The Ray cluster a run joins: ``cfg.address``, else ``$RAY_ADDRESS``; None (unset or empty):
+    start a private instance. ``auto`` is resolved to the cluster of this machine's latest
+    ``ray start`` (the GCS address it wrote to ``ray_current_cluster`` in Ray's default temp dir,
+    ``$RAY_TMPDIR/ray``, else ``$TMPDIR/ray``, else ``/tmp/ray``: Ray's own discovery,
+    ``ray._private.services.find_bootstrap_address``), never to any other instance found running
+    (Ray's legacy fallback for ``auto``, which could pick another run's private instance).
+
+    Raises:
+        ConnectionError: ``auto`` was asked for and no ``ray start`` cluster is recorded on this machine.
+    """
+    from ray._common.utils import get_ray_address_file
+    from ray._private.services import find_bootstrap_address
+
+    address = cfg.address or os.environ.get("RAY_ADDRESS") or None
+    if address != "auto":
+        return address
+    found = find_bootstrap_address(None)
+    if not found:
+        raise ConnectionError(
+            f"ray.address=auto (or RAY_ADDRESS=auto) but no `ray start` cluster is recorded on this machine "
+            f"({get_ray_address_file(None)} is absent): start one with `ray start --head`, give its address "
+            "(ray.address=HOST:6379), or leave ray.address unset for a private instance")
+    return found
+
 
 def init_ray(cfg: RayConfig) -> None:
-    """Connect to ``cfg.address`` or ``$RAY_ADDRESS`` (set by ``ray job submit``), else start a
-    local instance. Idempotent. Credentials are never shipped: a local instance's workers inherit
-    this process's environment, and cluster nodes use their own (AWS_* variables, IAM roles)."""
+    """Join the cluster :func:`ray_address` names, else start a private local instance with
+    ``cfg.num_cpus`` CPUs and a ``cfg.object_store_memory``-byte object store. Idempotent for the
+    connection; every call (each stage makes one at its start) restarts the object-store window that
+    :func:`object_store_figures` reports. Credentials are never shipped: a local instance's workers
+    inherit this process's environment, and cluster nodes use their own (AWS_* variables, IAM roles).
+
+    Raises:
+        ConnectionError: see :func:`ray_address`.
+    """
     import ray
 
-    if ray.is_initialized():
-        return
-    address = cfg.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address)
-    else:  # no dashboard, so no state API: quiet the Ray Train thread that polls it (see below)
-        reap_orphaned_instances()
-        # A workstation is not preempted: Ray Train's preemption watcher (an actor per trainer
-        # polling for node drains) only takes CPU from the workers (docs/training-recipe.md).
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-        ray.init(num_cpus=cfg.num_cpus, include_dashboard=False,
-                 runtime_env={"worker_process_setup_hook": "pipeline.cluster.quiet_ray_workers"})
-        record_local_instance()
+    if not ray.is_initialized():
+        address = ray_address(cfg)
+        if address:
+            local_only = {k: getattr(cfg, k) for k in ("num_cpus", "object_store_memory") if getattr(cfg, k) is not None}
+            if local_only:
+                log.warning("ray: joining the cluster at %s; %s apply to a private instance only and are ignored "
+                            "(the cluster's `ray start` flags set them)", address,
+                            ", ".join(f"ray.{k}={v}" for k, v in local_only.items()))
+            ray.init(address=address)
+        else:  # no dashboard, so no state API: quiet the Ray Train thread that polls it (see below)
+            reap_orphaned_instances()
+            # A workstation is not preempted: Ray Train's preemption watcher (an actor per trainer
+            # polling for node drains) only takes CPU from the workers (docs/training-recipe.md).
+            os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+            start_private_instance(num_cpus=cfg.num_cpus, object_store_memory=cfg.object_store_memory,
+                                   include_dashboard=False,
+                                   runtime_env={"worker_process_setup_hook": "pipeline.cluster.quiet_ray_workers"})
+            record_local_instance()
+    from ray._private.internal_api import get_state_from_address
+
+    OBJECT_STORE_WATCH.restart(get_state_from_address(ray.get_runtime_context().gcs_address))
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the stages draw their own bars (samples, tokens, bytes)
     ctx.print_on_execution_start = False
+
+
+START_TIMEOUT = "timed out during startup"
+"""Ray's error when a new node's raylet did not register with its GCS within 30 s (a constant of
+``ray._private.node.Node``): a machine busy with other runs, several instances starting at once."""
+
+
+def start_private_instance(attempts: int = 3, **init_kwargs) -> None:
+    """``ray.init(address="local", **init_kwargs)``, tried up to ``attempts`` times while Ray's start
+    times out (:data:`START_TIMEOUT`); the processes a failed try left (its GCS, raylet, agents: this
+    process's children started since) are stopped before the next.
+
+    Raises:
+        Exception: Ray's own error, from the last try or from any other failure.
+    """
+    import psutil
+    import ray
+
+    me = psutil.Process()
+    for attempt in range(1, attempts + 1):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            ray.init(address="local", **init_kwargs)
+            return
+        except Exception as e:
+            if START_TIMEOUT not in str(e) or attempt == attempts:
+                raise
+            left = [p for p in me.children(recursive=True) if p.pid not in before]
+            for p in left:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            psutil.wait_procs(left, timeout=10)
+            log.warning("ray: a private instance %s (try %d of %d), likely a busy machine; trying again",
+                        START_TIMEOUT, attempt, attempts)
+
+
+def object_store_stats(state) -> dict[str, int]:
+    """The object store's figures now, summed over the cluster's nodes (bytes; spilled and restored
+    since each raylet started). Source: the raylet's ``FormatGlobalMemoryInfo`` reply
+    (``ray._private.internal_api.get_memory_info_reply``, one gRPC call that the asked raylet fans
+    out to every node), the same call behind ``ray memory --stats-only`` and Ray Data's "Spilled to
+    disk" line. ``state``: a ``GlobalState`` of the cluster (``get_state_from_address``); an alive
+    raylet is looked up on each call, so a lost node does not break it."""
+    from ray._private.internal_api import get_memory_info_reply
+
+    s = get_memory_info_reply(state, timeout_seconds=30.0).store_stats
+    return {"used": s.object_store_bytes_used, "capacity": s.object_store_bytes_avail,
+            "spilled": s.spilled_bytes_total, "restored": s.restored_bytes_total,
+            "fallback": s.object_store_bytes_fallback}
+
+
+class ObjectStoreWatch:
+    """Samples :func:`object_store_stats` every ``interval_s`` seconds in a daemon thread, from
+    :meth:`restart` until :meth:`figures`. The peak is the largest sampled use (a lower bound of the
+    true peak, which may fall between two samples); spilled and restored bytes are the differences
+    between the window's last and first samples (exact). On a shared cluster they include other jobs'."""
+
+    def __init__(self, interval_s: float = 0.5):
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._first: Optional[dict[str, int]] = None
+        self._last: Optional[dict[str, int]] = None
+        self._peak = self._fallback_peak = 0
+        self._state = None
+
+    def restart(self, state) -> None:
+        """Start a new window (stopping the running one) on the cluster of ``state`` (a ``GlobalState``)."""
+        self._halt()
+        self._state = state
+        self._first, self._last, self._peak, self._fallback_peak = None, None, 0, 0
+        self._try_sample()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="object-store-watch", daemon=True)
+        self._thread.start()
+
+    def figures(self) -> dict[str, Optional[int]]:
+        """End the window: ``object_store_capacity_bytes``, ``object_store_peak_bytes``,
+        ``object_store_spilled_bytes``, ``object_store_restored_bytes`` and
+        ``object_store_fallback_peak_bytes`` (objects put in the disk fallback because the store was
+        full); all None when no window was started (Ray never initialised by this process) or no
+        sample succeeded."""
+        keys = ("capacity", "peak", "spilled", "restored", "fallback_peak")
+        if self._state is not None:
+            self._halt()
+            self._try_sample()
+        with self._lock:
+            first, last = self._first, self._last
+            if last is None:
+                return {f"object_store_{k}_bytes": None for k in keys}
+            vals = (last["capacity"], self._peak, last["spilled"] - first["spilled"],
+                    last["restored"] - first["restored"], self._fallback_peak)
+        return {f"object_store_{k}_bytes": v for k, v in zip(keys, vals)}
+
+    def _sample(self) -> None:
+        stats = object_store_stats(self._state)
+        with self._lock:
+            self._first = self._first or stats
+            self._last = stats
+            self._peak = max(self._peak, stats["used"])
+            self._fallback_peak = max(self._fallback_peak, stats["fallback"])
+
+    def _try_sample(self) -> None:
+        try:
+            self._sample()
+        except Exception as e:  # Ray shutting down, or the raylet busy: the window keeps its samples
+            log.debug("object-store watch: %s", e)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._try_sample()
+
+    def _halt(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+
+OBJECT_STORE_WATCH = ObjectStoreWatch()
+"""The object-store window of this driver, restarted by every :func:`init_ray` call."""
+
+
+def object_store_figures() -> dict[str, Optional[int]]:
+    """The object store's figures since this process's latest :func:`init_ray` call (see
+    :meth:`ObjectStoreWatch.figures`); the cache stage adds them to its summary."""
+    return OBJECT_STORE_WATCH.figures()
 
 
 LOCAL_RECORDS = Path.home() / ".cache" / "dspark" / "ray-local"
@@ -125,8 +306,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def local_head(num_cpus: int, env: dict[str, str] | None = None, timeout_s: float = 120):
+@contextlib.contextmanager
+def local_head(num_cpus: int, env: dict[str, str] | None = None, timeout_s: float = 120, discoverable: bool = False):
     """Start a Ray head on 127.0.0.1 (``ray start --head --block``) for ``ray job submit``; yield
     ``(ray_bin, dashboard_address, env)`` and stop the head's process group on exit.
 
@@ -134,24 +315,37 @@ def local_head(num_cpus: int, env: dict[str, str] | None = None, timeout_s: floa
     this head is stopped (``ray stop`` would stop every Ray instance of the machine). ``env`` (default
     this process's) is the head's environment, which submitted jobs inherit (e.g. AWS_* variables).
 
+    ``discoverable``: start it as a user's plain ``ray start --head`` is, in Ray's default temp dir
+    (``$RAY_TMPDIR/ray`` of ``env``, else ``$TMPDIR/ray``, else ``/tmp/ray``), where it records its
+    address (``ray_current_cluster``) for ``ray.init()`` and ``ray.address=auto`` to find; set
+    ``RAY_TMPDIR`` in ``env`` to keep it away from the machine's other Ray users. Otherwise the head
+    lives in a temp dir of its own that no other process discovers.
+
     Raises:
         RuntimeError: the head's job API did not answer within ``timeout_s`` seconds.
     """
     ray_bin = str(Path(sys.executable).parent / "ray")
     env = {**(os.environ if env is None else env), "RAY_AUTH_MODE": "disabled"}
     temp = Path("/tmp") / f"rh{os.getpid()}"
+    where = [] if discoverable else [f"--temp-dir={temp}"]
     dash = free_port()
     ports = {flag: free_port() for flag in ("port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                              "metrics-export-port", "runtime-env-agent-port")}
-    head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--num-cpus={num_cpus}", f"--temp-dir={temp}",
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--num-cpus={num_cpus}", *where,
                              "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
                              "--disable-usage-stats", *(f"--{k}={v}" for k, v in ports.items())],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
+    # `ray start` records a discoverable head's address (HOST:PORT, HOST the node's own IP) after its job API answers
+    record = Path(env.get("RAY_TMPDIR") or env.get("TMPDIR") or "/tmp") / "ray" / "ray_current_cluster"
+
+    def recorded() -> bool:
+        return not discoverable or (record.is_file() and record.read_text().strip().endswith(f":{ports['port']}"))
+
     try:
         deadline = time.time() + timeout_s
-        while subprocess.run([ray_bin, "job", "list", "--address", address], env=env,
-                             capture_output=True).returncode != 0:
+        while not recorded() or subprocess.run([ray_bin, "job", "list", "--address", address], env=env,
+                                               capture_output=True).returncode != 0:
             if time.time() > deadline or head.poll() is not None:
                 raise RuntimeError(f"the local Ray head did not start within {timeout_s:.0f} s")
             time.sleep(1)

@@ -25,7 +25,7 @@ import numpy as np
 
 from cache_schema import (CacheSample, Fingerprint, StorageConfig, StorageUnavailableError, estimate_cache_bytes,
                           open_cache, shard_overhead_bytes, tensor_sha256)
-from cache_schema.errors import storage_call
+from cache_schema.errors import ShardAlreadyCommittedError, storage_call
 from cache_schema.fingerprint import chat_template_sha256, tokenizer_sha256
 from cache_schema.layout import ShardBuffer, shard_name
 from pipeline.chats.ingest import BadRow, RowCounts, RowError, ShardSpan, iter_chats, plan_shards
@@ -236,6 +236,8 @@ class ShardPrefillWriter:
         if self.emit:
             return self._stream(work)
         shard = int(work["shard"])
+        if self.root.is_committed(shard):  # a retried call whose first attempt committed, then died with its actor
+            return self._committed_meta(shard)
         with self._prefill_lock:
             t0 = time.perf_counter()
             buffer = self._fill(work)
@@ -247,12 +249,23 @@ class ShardPrefillWriter:
                                                 extra=self._quarantine(shard, work))
                 meta = {"num_samples": record.num_samples, "num_tokens": record.num_tokens,
                         "bytes": record.total_bytes, "error": ""}
+            except ShardAlreadyCommittedError:  # a lost attempt of this call committed it first: the same bytes
+                return self._committed_meta(shard)
             except StorageUnavailableError as exc:  # reported by the driver as one line, not a worker traceback
                 meta = {"num_samples": 0, "num_tokens": 0, "bytes": 0, "error": str(exc)}
             write_s = time.perf_counter() - t1
         # busy: prefill + write + commit of this shard, lock waits excluded (the overlap is not subtracted)
         return {"shard": shard, **meta, "prefill_seconds": prefill_s, "write_seconds": write_s,
                 "busy_seconds": prefill_s + write_s}
+
+    def _committed_meta(self, shard: int) -> dict[str, Any]:
+        """The metadata of a shard already committed (by an earlier attempt of the same call, lost with
+        its actor after the commit): read from its commit record, no second prefill or write. A shard
+        is a deterministic function of (inputs, config), so both attempts hold the same bytes."""
+        record = self.root.record(shard)
+        return {"shard": shard, "num_samples": record.num_samples, "num_tokens": record.num_tokens,
+                "bytes": record.total_bytes, "error": "", "prefill_seconds": 0.0, "write_seconds": 0.0,
+                "busy_seconds": 0.0}
 
     def _stream(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         """Stream rows of one shard item of :func:`pipeline.stages.stream.shard_items`."""
@@ -310,7 +323,10 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
     Throughput figures (tokens/s): ``prefill_tokens_per_s`` is tokens over the wall time from the start
     of the prefill actor pool to the last commit (actor start-up and target loading included);
     ``steady_tokens_per_s`` is tokens x ``cache.num_workers`` over the actors' summed busy time
-    (prefill + write + commit per shard), the rate once the actors are up.
+    (prefill + write + commit per shard), the rate once the actors are up. ``faults`` (None when
+    nothing was to write) is what lost actors or nodes cost: actors started and lost, the shards
+    re-prefilled and the seconds from their first start to their retry
+    (:meth:`pipeline.stages.sharded.FaultLedger.summary`).
 
     Raises:
         FingerprintMismatchError: the output holds a cache of another target/config.
@@ -321,7 +337,7 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
     import ray
     from transformers import AutoConfig
 
-    from pipeline.cluster import init_ray
+    from pipeline.cluster import init_ray, object_store_figures
     from pipeline.target_model.loader import resolve_target_path
 
     local_dir = resolve_target_path(cfg.target.path)
@@ -336,7 +352,7 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
     log.info("cache: %d shards planned, %d already committed, %d to write", len(shards), len(done), len(todo))
     run = {"shards_planned": len(shards), "shards_already_committed": len(done & {i for i, _ in shards}),
            "shards_written": 0, "estimate_bytes": 0, "prefill_tokens_per_s": None,
-           "steady_tokens_per_s": None}
+           "steady_tokens_per_s": None, "faults": None}
     if todo:
         init_ray(cfg.ray)
         items = [span_item(i, s) for i, s in todo]
@@ -365,6 +381,7 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
                               postfix=lambda t: {"MiB": f"{t.get('bytes', 0) / 2**20:.1f}"},
                               cpus=cfg.cache.cpus_per_worker, concurrent_calls=CONCURRENT_SHARDS)
         run["shards_written"] = len(pool.metas)
+        run["faults"] = pool.faults
         n_tok, busy = pool.totals.get("num_tokens", 0), pool.totals.get("busy_seconds", 0.0)
         run["prefill_tokens_per_s"] = round(n_tok / max(pool.seconds, 1e-9), 1)
         run["steady_tokens_per_s"] = round(n_tok * cfg.cache.num_workers / max(busy, 1e-9), 1)
@@ -375,7 +392,7 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
     if totals["samples"] == 0:
         log.warning("cache: no usable sample in %s: every input row was skipped; check data.train_files "
                     "(formats: OpenAI messages, ShareGPT conversations)", ", ".join(input_files(cfg)) or "no input")
-    return {**run, **totals}
+    return {**run, **totals, **object_store_figures()}
 
 
 def cache_totals(root_url: str) -> dict[str, Any]:

@@ -65,11 +65,57 @@ def item_span(item: Mapping[str, Any]) -> ShardSpan:
 @dataclass
 class PoolRun:
     """What the driver saw of an actor pool: every written shard's metadata, the sums of their
-    numeric fields (booleans count as 0/1) and the wall seconds."""
+    numeric fields (booleans count as 0/1), the wall seconds and what faults cost
+    (:meth:`FaultLedger.summary`)."""
 
     metas: list[dict[str, Any]]
     totals: dict[str, float]
     seconds: float
+    faults: dict[str, Any]
+
+
+class FaultLedger:
+    """A small actor on the driver's node that counts what faults cost an actor pool (issue #37 item 4):
+    every actor start and every shard call started, with its wall time and the actor that ran it. A
+    shard started more than once was redone: its first call died with its actor process or node, and
+    Ray Data retried it (``max_task_retries``) on a restarted or surviving actor. On the driver's
+    node it outlives any worker node; only the actors' own ``.remote`` calls reach it."""
+
+    def __init__(self):
+        self.actors, self.starts = 0, {}
+
+    def actor_started(self) -> None:
+        self.actors += 1
+
+    def shard_started(self, shard: int, at: float, actor: str) -> None:
+        self.starts.setdefault(shard, []).append((at, actor))
+
+    def summary(self) -> dict[str, Any]:
+        """``actors_started`` (first starts and restarts, as many as had started by the end: a
+        replacement still loading when the last shard committed is not counted); ``actors_lost``
+        (the actors whose shard calls were redone); ``redone_shards`` (sorted indices started more
+        than once); ``retry_delay_seconds`` (over the redone shards, wall seconds from a shard's
+        first start to its last: the work lost with the first call plus the time to detect the
+        fault and reschedule)."""
+        redone = sorted(s for s, t in self.starts.items() if len(t) > 1)
+        return {"actors_started": self.actors, "actors_lost": len({min(self.starts[s])[1] for s in redone}),
+                "redone_shards": redone,
+                "retry_delay_seconds": round(sum(max(self.starts[s])[0] - min(self.starts[s])[0] for s in redone), 2)}
+
+
+class _Tracked:
+    """The pool's callable: ``actor(*ctor_args)`` whose start and shard calls are told to a :class:`FaultLedger`."""
+
+    def __init__(self, actor: type, ledger, *ctor_args):
+        import ray
+
+        self.inner, self.ledger = actor(*ctor_args), ledger
+        self.actor_id = ray.get_runtime_context().get_actor_id()
+        ledger.actor_started.remote()
+
+    def __call__(self, item: dict[str, Any]):
+        self.ledger.shard_started.remote(int(item["shard"]), time.time(), self.actor_id)
+        return self.inner(item)
 
 
 def run_actor_pool(ds, actor: type, ctor_args: tuple, *, workers: int, gpus: float | None, desc: str,
@@ -80,6 +126,12 @@ def run_actor_pool(ds, actor: type, ctor_args: tuple, *, workers: int, gpus: flo
     of ``cpus`` CPUs (and ``gpus`` GPUs) each; show progress; gather the shards that failed on storage.
     ``concurrent_calls`` > 1 runs that many calls of one actor at once, in threads (the actor must be
     thread-safe; the cache stage overlaps one shard's write with the next one's prefill).
+
+    An actor lost with its process or node is restarted and its unfinished calls retried (Ray Data's
+    actor-pool defaults, ``max_restarts=-1`` and ``max_task_retries=-1``; passing them is deprecated in
+    Ray 2.60, and ``tests/test_cluster_faults.py`` holds the behaviour); a retried shard is rewritten
+    whole (deterministic, committed once), a shard committed by a lost call is kept. What that cost is counted by a
+    :class:`FaultLedger` (``PoolRun.faults``).
 
     Each call returns one metadata dict per shard with an ``"error"`` key: empty when the shard was
     committed (or already was), else the one-line :class:`StorageUnavailableError` message of a write
@@ -93,11 +145,15 @@ def run_actor_pool(ds, actor: type, ctor_args: tuple, *, workers: int, gpus: flo
         StorageUnavailableError: some shards failed; the message counts them and quotes the first.
     """
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     from tqdm import tqdm
 
     strategy = ray.data.ActorPoolStrategy(size=workers, max_concurrent_calls_per_actor=concurrent_calls,
                                           enable_true_multi_threading=concurrent_calls > 1)
-    mapped = ds.map(actor, fn_constructor_args=ctor_args, compute=strategy, num_gpus=gpus, num_cpus=cpus)
+    ledger = ray.remote(num_cpus=0)(FaultLedger).options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        ray.get_runtime_context().get_node_id(), soft=False)).remote()
+    mapped = ds.map(_Tracked, fn_constructor_args=(actor, ledger, *ctor_args), compute=strategy, num_gpus=gpus,
+                    num_cpus=cpus)
     t0, metas, failed, totals = time.perf_counter(), [], [], {}
     with tqdm(total=total, unit=unit, desc=desc, unit_scale=True) as bar:
         for meta in mapped.iter_rows():
@@ -110,9 +166,11 @@ def run_actor_pool(ds, actor: type, ctor_args: tuple, *, workers: int, gpus: flo
                     totals[k] = totals.get(k, 0) + v
             bar.update(meta[advance])
             bar.set_postfix(**postfix(totals))
+    faults = ray.get(ledger.summary.remote())
+    ray.kill(ledger)
     if failed:
         failed.sort(key=lambda m: m["shard"])
         raise StorageUnavailableError(
             f"{len(failed)} of {len(metas) + len(failed)} shards were not written ({len(metas)} were, and are "
             f"committed): {failed[0]['error']}")
-    return PoolRun(metas, totals, time.perf_counter() - t0)
+    return PoolRun(metas, totals, time.perf_counter() - t0, faults)

@@ -6,11 +6,13 @@ against the training config (before any worker starts) and launches the trainers
 from __future__ import annotations
 
 import dataclasses
+import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pipeline.config import RunConfig
-from storage import filesystem, join, read_json
+from storage import filesystem, join, read_json, write_json
 
 
 def train_job(cfg: RunConfig, name: str, fingerprint_json: str, target_dir: str):
@@ -64,6 +66,55 @@ def ray_storage(run_dir: str, name: str) -> dict[str, Any]:
     return {"storage_path": path, "storage_filesystem": PyFileSystem(FSSpecHandler(fs))}
 
 
+def attempt_worker(config: dict[str, Any]) -> None:
+    """The Ray Train entry point: :func:`training.loop.train_worker`, after rank 0 has recorded this
+    worker-group attempt in ``config["attempts_url"]`` (a JSON list, rewritten whole): its start time
+    (Unix seconds), the step of the newest committed checkpoint it resumes from, the last step the
+    previous attempt logged in ``metrics.jsonl`` (read before the loop drops the rows past the
+    checkpoint) and that file's modification time (the previous attempt's last logged step).
+    Ray Train starts one attempt per worker group, a new one after each failure (``train.max_failures``)."""
+    import ray.train
+
+    from training.checkpoint import latest_checkpoint
+    from training.loop import train_worker
+
+    if ray.train.get_context().get_world_rank() == 0:
+        job, url = config["job"], config["attempts_url"]
+        found = latest_checkpoint(job.output_url)
+        fs, path = filesystem(join(job.output_url, "metrics.jsonl"))
+        logged, logged_at = 0, None
+        if fs.exists(path):
+            lines = [ln for ln in fs.cat_file(path).decode().splitlines() if ln.endswith("}")]
+            logged = json.loads(lines[-1])["step"] if lines else 0
+            logged_at = fs.info(path).get("mtime") or fs.info(path).get("LastModified")
+            logged_at = logged_at.timestamp() if hasattr(logged_at, "timestamp") else logged_at
+        try:
+            attempts = read_json(url)
+        except FileNotFoundError:
+            attempts = []
+        attempts.append({"started_at": time.time(), "resumed_step": found[1]["step"] if found else 0,
+                         "logged_step": logged, "logged_at": logged_at})
+        write_json(url, attempts)
+    train_worker(config)
+
+
+def fault_summary(attempts: list[dict[str, Any]]) -> dict[str, Any]:
+    """What failures cost one drafter's training, from the attempts :func:`attempt_worker` recorded.
+
+    Returns:
+        ``worker_group_restarts`` (attempts after the first); ``resumed_from_steps`` (each restart's
+        checkpoint step s); ``redone_steps`` (sum over restarts of t - s, t the last step the failed
+        attempt logged: the optimizer steps computed twice); ``restart_seconds`` (sum over restarts of
+        the wall seconds from the failed attempt's last logged step to the new worker group's start:
+        fault detection, rescheduling and start-up; the redone steps' own time comes on top).
+    """
+    restarts = attempts[1:]
+    return {"worker_group_restarts": len(restarts), "resumed_from_steps": [a["resumed_step"] for a in restarts],
+            "redone_steps": sum(max(0, a["logged_step"] - a["resumed_step"]) for a in restarts),
+            "restart_seconds": round(sum(a["started_at"] - a["logged_at"] for a in restarts
+                                         if a["logged_at"] is not None), 2)}
+
+
 def expected_fingerprint(cfg: RunConfig, target_dir: str):
     """The fingerprint a cache must carry to train this config's drafters on it."""
     from transformers import AutoConfig
@@ -100,6 +151,10 @@ def _finished(job, total: int) -> dict[str, Any] | None:
 def run_train(cfg: RunConfig) -> dict[str, Any]:
     """``+stage=train``: train every drafter of ``train.drafters`` on the same cache and budget.
 
+    Each drafter's result carries ``faults`` (:func:`fault_summary`): the worker-group restarts Ray
+    Train made after a lost worker or node (up to ``train.max_failures``), the steps redone from the
+    last committed checkpoint and the restart seconds.
+
     ``train.features`` picks where the features come from: the committed cache, or (online,
     hybrid) the prefill actors streaming through Ray Data into the workers (:mod:`pipeline.stages.stream`);
     the worker, model, loss and sample order are the same in every mode.
@@ -117,7 +172,7 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.errors import PipelineError
     from pipeline.stages.stream import data_config, stream_plan
     from training.data import split_shards
-    from training.loop import plan_steps, total_steps, train_worker
+    from training.loop import plan_steps, total_steps
 
     target_dir = resolve_target_path(cfg.target.path)
     fp = expected_fingerprint(cfg, target_dir)
@@ -164,16 +219,18 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
         if plan is not None:
             datasets = _stream_datasets(cfg, jobs[name], plan, micro_per_epoch, fp, target_dir, root)
             dataset_config = data_config(cfg)
+        attempts_url = join(cfg.run_dir, "train", name, "attempts", f"{time.time_ns()}.json")
         trainer = TorchTrainer(
-            train_worker,
-            train_loop_config={"job": jobs[name]},
+            attempt_worker,
+            train_loop_config={"job": jobs[name], "attempts_url": attempts_url},
             scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                                    resources_per_worker={"CPU": cfg.train.cpus_per_worker}),
             run_config=ray.train.RunConfig(name=f"dspark-train-{name}", **ray_storage(cfg.run_dir, name),
                                            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures)),
             **({"datasets": datasets, "dataset_config": dataset_config} if datasets is not None else {}))
         trainer.fit()
-        return read_json(join(cfg.run_dir, "train", name, "result.json"))
+        return {**read_json(join(cfg.run_dir, "train", name, "result.json")),
+                "faults": fault_summary(read_json(attempts_url))}
 
     todo = [n for n, r in results.items() if r is None]
     with ThreadPoolExecutor(max_workers=cfg.train.concurrent_drafters) as pool:  # each fit() blocks its thread
@@ -212,6 +269,5 @@ def _stream_datasets(cfg: RunConfig, job, plan, micro_per_epoch: list[int], fp, 
 def storage_write_summary(cfg: RunConfig, totals: dict[str, Any]) -> None:
     """``cache/summary.json`` of a cache the hybrid stream wrote (what the cache stage writes)."""
     from pipeline.stages.cache import cache_url
-    from storage import write_json
 
     write_json(join(cache_url(cfg), "summary.json"), totals)

@@ -1,0 +1,187 @@
+"""Node and worker loss mid-stage on a 3-raylet local cluster (issue #37 items 1, 2, 4).
+
+One cluster for the module (:class:`multinode.LocalCluster`: a CPU-less head with the job server, two
+worker nodes of 2 CPUs and one declared GPU each); every stage runs through ``ray job submit``. A
+disturbed run loses a worker node (every process SIGKILLed) or one actor process mid-stage, a node is
+added back as an autoscaler would, and the output must equal the undisturbed run's: the cache's
+shard objects byte for byte, train's per-step losses and final weights; the summaries count what the
+fault cost.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from chatgen import write_chats
+from multinode import LocalCluster
+from pipeline.run import DEFAULT_CONFIG
+
+pytestmark = [pytest.mark.integration, pytest.mark.cluster_faults]
+
+CACHE = ["generate.enabled=false", "data.min_loss_tokens=1", "cache.rows_per_shard=5", "cache.num_workers=2",
+         "cache.gpus_per_worker=1", "cache.cpus_per_worker=1"]
+TRAIN = ["train.num_anchors=8", "train.drafters.dspark.markov_rank=8", "train.drafters.dspark.num_layers=1",
+         "~train.drafters.dflash", "train.num_workers=1", "train.concurrent_drafters=1", "train.heldout_shards=1",
+         "train.validation_shards=0", "train.micro_batch_samples=4", "train.global_batch_samples=4",
+         "train.zero_stage=0", "train.optimizer=adamw", "train.max_steps=8", "train.checkpoint_every_steps=2",
+         "train.step_delay_s=1.0", "train.max_failures=2"]
+
+
+def stage_entry(stage: str, target: str, data: Path, run_dir: Path, *extra: str) -> list[str]:
+    """The ``python -m pipeline.run`` command line of ``stage`` on ``data`` (tiny overrides)."""
+    return [sys.executable, "-m", "pipeline.run", f"+stage={stage}", str(DEFAULT_CONFIG), f"target.path={target}",
+            f"run_dir={run_dir}", f"data.train_files=[{data}]", *CACHE, *TRAIN, *extra]
+
+
+def shard_bytes(run_dir: Path) -> dict[str, str]:
+    """SHA-256 of every shard object of a run's cache (relative path -> hex digest)."""
+    root = run_dir / "cache" / "shards"
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def commit_checksums(run_dir: Path) -> dict[str, dict]:
+    """Each commit record's array checksums (shard file name -> checksums)."""
+    return {p.name: json.loads(p.read_text())["checksums"] for p in sorted((run_dir / "cache" / "commits").glob("*.json"))}
+
+
+def wait_for(pred, timeout_s: float, what: str) -> None:
+    deadline = time.time() + timeout_s
+    while not pred():
+        if time.time() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def run_disturbed(cluster: LocalCluster, entry: list[str], ready, fault, log: Path, timeout_s: float = 600):
+    """Submit ``entry`` (job output to ``log``), wait for ``ready()`` (mid-stage), call ``fault()``, wait
+    for the job's end; returns its wall seconds (submit to end).
+
+    Raises:
+        AssertionError: the stage ended before the fault, or failed."""
+    t0 = time.time()
+    job = cluster.submit_async(entry, log)
+    try:
+        wait_for(lambda: ready() or job.poll() is not None, timeout_s, "the mid-stage point")
+        assert job.poll() is None, "the stage ended before the fault: " + log.read_text()[-3000:]
+        fault()
+        job.wait(timeout=timeout_s)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, log.read_text()[-4000:]
+    return time.time() - t0
+
+
+def busy_writer(cluster: LocalCluster, run_dir: Path):
+    """The worker node and pid of the prefill actor that committed the run's newest shard (its commit
+    record's ``writer_id`` is ``host:pid``): an actor past its start-up, with shards in flight."""
+    newest = max((run_dir / "cache" / "commits").glob("*.json"), key=lambda p: p.stat().st_mtime)
+    return cluster.node_of_actor("MapWorker", pid=int(json.loads(newest.read_text())["writer_id"].rsplit(":", 1)[1]))
+
+
+def kill_and_replace(cluster: LocalCluster, node) -> None:
+    """Lose ``node`` (every process SIGKILLed) and add a fresh one back, as an autoscaler would."""
+    cluster.kill_node(node)
+    cluster.add_node()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(workers=2, cpus=2) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("faults") / "chats.jsonl"
+    write_chats(path, 60)  # 12 shards of 5 rows
+    return path
+
+
+@pytest.fixture(scope="module")
+def clean_cache(cluster, tiny_target_dir, chats, tmp_path_factory) -> Path:
+    """The undisturbed cache run's run_dir."""
+    run_dir = tmp_path_factory.mktemp("clean")
+    r = cluster.submit(stage_entry("cache", tiny_target_dir, chats, run_dir))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    return run_dir
+
+
+def _committed(run_dir: Path) -> int:
+    return len(list((run_dir / "cache" / "commits").glob("*.json")))
+
+
+def test_cache_survives_a_lost_worker_node(cluster, tiny_target_dir, chats, clean_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    run_disturbed(cluster, stage_entry("cache", tiny_target_dir, chats, run_dir), lambda: _committed(run_dir) >= 2,
+                  lambda: kill_and_replace(cluster, busy_writer(cluster, run_dir)[0]), tmp_path / "job.log")  # each worker node holds one prefill actor
+    assert shard_bytes(run_dir) == shard_bytes(clean_cache) and len(commit_checksums(run_dir)) == 12
+    assert commit_checksums(run_dir) == commit_checksums(clean_cache)
+    faults = json.loads((run_dir / "cache" / "summary.json").read_text())["faults"]
+    # the lost node's actor had one or two shards in flight (cache: two calls per actor at once)
+    assert faults["actors_lost"] == 1 and len(faults["redone_shards"]) in (1, 2) and faults["retry_delay_seconds"] > 0
+    clean = json.loads((clean_cache / "cache" / "summary.json").read_text())["faults"]
+    assert clean == {"actors_started": 2, "actors_lost": 0, "redone_shards": [], "retry_delay_seconds": 0}
+
+
+def test_cache_survives_a_killed_actor_process(cluster, tiny_target_dir, chats, clean_cache, tmp_path):
+    """SIGKILL one prefill actor's process; its node stays up and the actor is restarted on it."""
+    run_dir = tmp_path / "run"
+    nodes = [n.node_id for n in cluster.workers]
+
+    def kill_actor():
+        os.kill(busy_writer(cluster, run_dir)[1], signal.SIGKILL)
+
+    run_disturbed(cluster, stage_entry("cache", tiny_target_dir, chats, run_dir), lambda: _committed(run_dir) >= 2,
+                  kill_actor, tmp_path / "job.log")
+    assert [n.node_id for n in cluster.workers] == nodes
+    assert shard_bytes(run_dir) == shard_bytes(clean_cache)
+    faults = json.loads((run_dir / "cache" / "summary.json").read_text())["faults"]
+    assert faults["actors_lost"] == 1 and len(faults["redone_shards"]) in (1, 2)  # one actor: 2 calls at once
+
+
+def _train_run(clean_cache: Path, run_dir: Path) -> Path:
+    run_dir.mkdir()
+    shutil.copytree(clean_cache / "cache", run_dir / "cache")
+    return run_dir
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(x) for x in (run_dir / "train" / "dspark" / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows]
+
+
+def _final_weights(run_dir: Path) -> bytes:
+    ckpts = sorted((run_dir / "train" / "dspark" / "checkpoints").glob("step-*"))
+    return (ckpts[-1] / "drafter.safetensors").read_bytes()
+
+
+def test_train_resumes_after_a_lost_worker_node(cluster, tiny_target_dir, chats, clean_cache, tmp_path):
+    clean = _train_run(clean_cache, tmp_path / "clean")
+    r = cluster.submit(stage_entry("train", tiny_target_dir, chats, clean))
+    assert r.returncode == 0, r.stdout[-4000:]
+    run_dir = _train_run(clean_cache, tmp_path / "run")
+    ckpts = run_dir / "train" / "dspark" / "checkpoints"
+
+    def lose_trainer_node():
+        node, _ = cluster.node_of_actor("RayTrainWorker")
+        kill_and_replace(cluster, node)
+
+    run_disturbed(cluster, stage_entry("train", tiny_target_dir, chats, run_dir),
+                  lambda: len(list(ckpts.glob("step-*/COMMITTED.json"))) >= 1, lose_trainer_node, tmp_path / "job.log")
+    assert _losses(run_dir) == _losses(clean) and [s for s, _ in _losses(run_dir)] == list(range(1, 9))
+    assert _final_weights(run_dir) == _final_weights(clean)
+    result = json.loads((run_dir / "train" / "dspark" / "result.json").read_text())
+    summary = json.loads((run_dir / "train" / "summary.json").read_text())["drafters"]["dspark"]["faults"]
+    assert summary["worker_group_restarts"] == 1 and summary["resumed_from_steps"][0] in (2, 4, 6)
+    assert 0 <= summary["redone_steps"] <= 2 and summary["restart_seconds"] > 0
+    assert result["steps"] == 8
