@@ -13,9 +13,11 @@ included; the S3 server is started before and runs on the other cores, its CPU i
 Reported per writer: peak RSS increase / shard bytes (from before the shard's samples exist: the held
 samples count), write MiB/s of wall time on its core and its split (copy, finiteness check, hash, PUT),
 MiB per CPU-second of the writer's own process (the S3 server's excluded), and from that the cores per GPU
-the cache stage needs to keep up with one H200 prefilling Qwen3-4B at ~1.8 GB/s of cache.
+the cache stage needs to keep up with one H200 prefilling Qwen3-4B at ~1.8 GB/s of cache. On S3 the new
+writer also runs with the request bodies SHA-256-signed ("new+sign": botocore's default on a plain-HTTP
+endpoint, as before ``storage.s3_options`` set ``s3.payload_signing_enabled: False``).
 
-    python bench/bench_cache_writer.py [--samples 16] [--tokens 2048] [--core 0] [--no-s3] [--no-zstd]
+    python bench/bench_cache_writer.py [--samples 16] [--tokens 2048] [--core 0] [--no-s3] [--no-local] [--no-zstd]
 """
 from __future__ import annotations
 
@@ -108,8 +110,8 @@ def old_write_shard(root, shard_index: int, samples, seconds: dict[str, float]) 
     return checksums
 
 
-def child(writer: str, url: str, num: int, tokens: int, core: int, zstd: bool) -> dict:
-    """One writer's run in this process, pinned to ``core``."""
+def child(writer: str, url: str, num: int, tokens: int, core: int, zstd: bool, sign: bool = False) -> dict:
+    """One writer's run in this process, pinned to ``core``; ``sign``: S3 request bodies SHA-256-signed."""
     os.sched_setaffinity(0, {core})
     import torch
 
@@ -118,6 +120,10 @@ def child(writer: str, url: str, num: int, tokens: int, core: int, zstd: bool) -
 
     torch.set_num_threads(1)
     configure_storage()
+    if sign:
+        import fsspec.config
+
+        fsspec.config.conf["s3"]["config_kwargs"]["s3"] = {"payload_signing_enabled": True}
     root = open_cache(url, fingerprint(tokens), storage=StorageConfig(zstd_level=3 if zstd else None))
     reset_peak()
     base = peak_kib()
@@ -159,12 +165,29 @@ def run_child(*args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def measure_writer(writer: str = "new", samples: int = 16, tokens: int = 2048, core: int = 0) -> dict:
+    """One writer's shard (``samples`` real-width samples of ``tokens`` tokens) to a temporary local
+    directory, in its own process pinned to ``core`` (:func:`child`); ``bench/rehearsal.py`` reports its
+    ``peak_over_shard`` (peak RSS increase / shard bytes) as the cache writer's memory per shard.
+
+    Returns:
+        :func:`child`'s dict (``shard_bytes``, ``peak_over_shard``, ``seconds`` per phase, ``cpu_seconds``, ...).
+
+    Raises:
+        SystemExit: the child process failed (its stderr's tail in the message).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_child(writer, f"{tmp}/{writer}", "--samples", str(samples), "--tokens", str(tokens),
+                         "--core", str(core))
+
+
 def mib_s(nbytes: int, seconds: float) -> float:
     return nbytes / 2**20 / max(seconds, 1e-9)
 
 
-def report(where: str, old: dict, new: dict, zstd: dict | None) -> None:
-    rows = [("old", old), ("new", new)] + ([("new+zstd3", zstd)] if zstd else [])
+def report(where: str, old: dict, new: dict, zstd: dict | None, signed: dict | None = None) -> None:
+    rows = ([("old", old), ("new", new)] + ([("new+zstd3", zstd)] if zstd else [])
+            + ([("new+sign", signed)] if signed else []))
     print(f"\n{where}: shard {new['shard_bytes'] / 2**30:.2f} GiB, 1 core per writer")
     print("MiB/s of wall time on the pinned core, overall and per phase; MiB/CPU-s: over the writer's own CPU "
           "time;\ncores/GPU: cores to write 1.8 GB/s at that MiB/CPU-s")
@@ -181,6 +204,9 @@ def report(where: str, old: dict, new: dict, zstd: dict | None) -> None:
     print(f"new/old: throughput per core x{speed:.2f} (wall), x{old['cpu_seconds'] / new['cpu_seconds']:.2f} (CPU), peak memory x{new['peak_over_shard'] / old['peak_over_shard']:.2f} "
           f"(old write alone adds {old['write_only_over_shard']:.2f}x on top of the held samples); "
           f"checksums equal: {old['checksums'] == new['checksums']}")
+    if signed:
+        print(f"new/new+sign: x{signed['cpu_seconds'] / new['cpu_seconds']:.2f} (CPU); "
+              f"old/new+sign: x{old['cpu_seconds'] / signed['cpu_seconds']:.2f} (CPU)")
 
 
 def main() -> None:
@@ -189,23 +215,27 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--core", type=int, default=0)
     ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--no-local", action="store_true")
     ap.add_argument("--no-zstd", action="store_true")
     ap.add_argument("--child", nargs=2, metavar=("WRITER", "URL"), help=argparse.SUPPRESS)
     ap.add_argument("--zstd", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--sign", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shape = (str(args.samples), str(args.tokens), str(args.core))
     if args.child:
-        print(json.dumps(child(*args.child, args.samples, args.tokens, args.core, args.zstd)))
+        print(json.dumps(child(*args.child, args.samples, args.tokens, args.core, args.zstd, args.sign)))
         return
     common = ["--samples", shape[0], "--tokens", shape[1], "--core", shape[2]]
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = {w: run_child(w, f"{tmp}/{w}", *common) for w in ("old", "new")}
-        z = None if args.no_zstd else run_child("new", f"{tmp}/zstd", *common, "--zstd")
-        report("local disk", runs["old"], runs["new"], z)
+    if not args.no_local:
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = {w: run_child(w, f"{tmp}/{w}", *common) for w in ("old", "new")}
+            z = None if args.no_zstd else run_child("new", f"{tmp}/zstd", *common, "--zstd")
+            report("local disk", runs["old"], runs["new"], z)
     if not args.no_s3:
         with s3_server() as bucket:
             runs = {w: run_child(w, f"{bucket}/{w}", *common) for w in ("old", "new")}
-            report("S3 (moto server on 127.0.0.1, its CPU not counted)", runs["old"], runs["new"], None)
+            signed = run_child("new", f"{bucket}/signed", *common, "--sign")
+            report("S3 (moto server on 127.0.0.1, its CPU not counted)", runs["old"], runs["new"], None, signed)
 
 
 if __name__ == "__main__":

@@ -58,10 +58,18 @@ def local_home() -> Path:
 
 def s3_options(policy: RetryPolicy) -> dict[str, Any]:
     """s3fs constructor options of a :class:`RetryPolicy` (the botocore part;
-    ``body_attempts`` is s3fs's class attribute ``retries``, set by :func:`configure_storage`)."""
+    ``body_attempts`` is s3fs's class attribute ``retries``, set by :func:`configure_storage`), and
+    ``s3.payload_signing_enabled: False``: request bodies are not SHA-256-hashed into the SigV4
+    signature (``UNSIGNED-PAYLOAD``). botocore already does so over HTTPS for uploads that carry a
+    checksum; over plain HTTP (a local or in-cluster endpoint) it would hash every byte written, a
+    third of the cache writer's CPU on the S3 path (bench/bench_cache_writer.py). The bytes stay
+    guarded by botocore's default CRC32 request checksum (``request_checksum_calculation``
+    ``when_supported``), which the server verifies on each PUT, by TLS on HTTPS endpoints, and by the
+    SHA-256 checksums of every shard's commit record (``ops verify``)."""
     return {"config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": int(policy.max_attempts)},
                               "connect_timeout": float(policy.connect_timeout_s),
-                              "read_timeout": float(policy.read_timeout_s)}}
+                              "read_timeout": float(policy.read_timeout_s),
+                              "s3": {"payload_signing_enabled": False}}}
 
 
 def configure_storage(policy: RetryPolicy | None = None) -> None:

@@ -176,7 +176,7 @@ def test_cache_actor_overlaps_a_shard_write_with_the_next_prefill_and_propagates
     actor._prefill_lock, actor._write_lock = threading.Lock(), threading.Lock()
     actor._fill = lambda work: timed("prefill", work["shard"])
     actor._quarantine = lambda shard, work: {}
-    actor.root = SimpleNamespace(commit_shard=commit_shard)
+    actor.root = SimpleNamespace(commit_shard=commit_shard, is_committed=lambda shard: False)
     results: dict[int, object] = {}
 
     def call(shard):
@@ -195,6 +195,35 @@ def test_cache_actor_overlaps_a_shard_write_with_the_next_prefill_and_propagates
     assert isinstance(results[1], RuntimeError) and "shard 1" in str(results[1])
     assert spans["prefill", 1][0] < spans["write", 0][1]  # overlap: shard 1 prefills while shard 0 is written
     assert spans["prefill", 0][1] <= spans["prefill", 1][0] and spans["write", 0][1] <= spans["write", 1][0]
+
+
+def test_a_retried_call_of_a_committed_shard_returns_its_record_without_a_second_prefill():
+    """Ray retries a call whose actor died after the commit: the retry (already committed, or committed
+    by the lost attempt between the check and the write) reports the commit record's figures instead of
+    failing the stage with ShardAlreadyCommittedError, and does no second prefill."""
+    from types import SimpleNamespace
+
+    from cache_schema.errors import ShardAlreadyCommittedError
+    from pipeline.stages.cache import ShardPrefillWriter
+
+    record = SimpleNamespace(num_samples=3, num_tokens=57, total_bytes=4096)
+    prefills: list[int] = []
+
+    def commit_shard(shard, buffer, **_):
+        raise ShardAlreadyCommittedError(f"shard {shard} already committed")
+
+    actor = object.__new__(ShardPrefillWriter)
+    actor.emit, actor.writer_id = False, "w"
+    actor._prefill_lock, actor._write_lock = threading.Lock(), threading.Lock()
+    actor._fill = lambda work: prefills.append(work["shard"])
+    actor._quarantine = lambda shard, work: {}
+    committed = {4}
+    actor.root = SimpleNamespace(commit_shard=commit_shard, is_committed=lambda shard: shard in committed,
+                                 record=lambda shard: record)
+    first = actor({"shard": 4})
+    assert prefills == [] and first["num_tokens"] == 57 and first["bytes"] == 4096 and first["error"] == ""
+    raced = actor({"shard": 5})  # not committed at the check, committed by the lost attempt before the write
+    assert prefills == [5] and raced["shard"] == 5 and raced["num_samples"] == 3 and raced["busy_seconds"] == 0.0
 
 
 MEMORY_SCRIPT = r"""
@@ -271,3 +300,32 @@ def test_prefill_gathers_only_real_rows_in_sample_order():
     assert all(torch.equal(a, feats[i, :n]) for i, (a, n) in enumerate(zip(got_f.split(lengths), lengths)))
     want_h = [final[i, torch.as_tensor(next_supervised_positions(m))] for i, m in enumerate(masks)]
     assert all(torch.equal(a, b) for a, b in zip(got_h.split([len(w) for w in want_h]), want_h))
+
+
+def test_s3_writes_send_unsigned_payloads_guarded_by_a_crc32_checksum(s3_url):
+    """The writer's S3 PUTs are not SHA-256-hashed for the signature (``UNSIGNED-PAYLOAD``, the
+    writer's CPU on plain-HTTP endpoints) yet each carries botocore's CRC32 checksum that the server
+    verifies; the shard reads back with its commit record's SHA-256 checksums."""
+    from storage import configure_storage
+
+    configure_storage()
+    root = open_cache(s3_url, make_fp(), storage=SMALL)
+    sent: list[tuple[str, str, bool]] = []
+
+    def record(request, **_):
+        if request.method == "PUT" and request.body:
+            sha = request.headers.get("X-Amz-Content-SHA256", b"")
+            sent.append((request.url, sha.decode() if isinstance(sha, bytes) else sha,
+                         "x-amz-checksum-crc32" in {k.lower() for k in request.headers}))
+
+    root.fs.connect()
+    root.fs.s3.meta.events.register("before-send.s3", record)
+    samples = [make_sample(i, t) for i, t in enumerate(LENGTHS)]
+    root.write_shard(0, samples, writer_id="s3")
+    data_puts = [s for s in sent if "/c/" in s[0]]
+    assert len(data_puts) >= len(LENGTHS) // 2  # several zarr shard objects per array under SMALL
+    assert all(sha == "UNSIGNED-PAYLOAD" and crc for _, sha, crc in sent), sent
+    reader = CacheReader(root.url, make_fp())
+    reader.verify_shard(0)
+    back = list(reader.iter_samples([0]))
+    assert all(same_bits(a.features, b.features) for a, b in zip(back, samples))
