@@ -212,6 +212,18 @@ class CacheConfig:
     max_rows: Optional[int] = None
 
 
+CONFIDENCE_CALIBRATIONS = ("realised", "expected")  # DrafterSpec.confidence_calibration
+
+
+def confidence_sampling(spec: "DrafterSpec", cfg: "RunConfig") -> tuple[float, float, int]:
+    """The sampling setting ``(temperature, top_p, top_k)`` a drafter's confidence head is trained and
+    calibrated for: ``spec.confidence_temperature`` / ``_top_p`` / ``_top_k``, or the generate stage's
+    ``temperature`` / ``top_p`` / ``top_k`` (the answers the cache holds) where the temperature is null."""
+    if spec.confidence_temperature is None:
+        return float(cfg.generate.temperature), float(cfg.generate.top_p), max(int(cfg.generate.top_k), 0)
+    return float(spec.confidence_temperature), float(spec.confidence_top_p), int(spec.confidence_top_k)
+
+
 @dataclass
 class DrafterSpec:
     """One drafter to train (docs/design.md section 2). ``head=none`` with ``markov_rank=0`` is DFlash."""
@@ -224,6 +236,15 @@ class DrafterSpec:
     markov_rank: int = 256
     confidence_head: bool = True  # on [h_k ; W1[x_{k-1}]] when a sequential head exists, else [h_k]
     confidence_grad_to_backbone: bool = False
+    # the sampling setting (temperature, top-p, top-k) of the confidence head's training label c*
+    # (training.losses.confidence_labels; T 0 = greedy acceptance) and of the realised acceptance calibrate
+    # fits on; confidence_temperature null = the generate stage's setting (generate.temperature/top_p/top_k)
+    confidence_temperature: Optional[float] = 1.0
+    confidence_top_p: float = 1.0
+    confidence_top_k: int = 0
+    # what calibrate fits STS and the global temperature on: realised (0/1 acceptance of the drafter's
+    # own drafts on held-out blocks at confidence_temperature) | expected (teacher-forced c* at T = 1)
+    confidence_calibration: str = "realised"
     draft_vocab_size: Optional[int] = None
     init: DrafterInit = DrafterInit.random
 
@@ -295,12 +316,28 @@ class ExportConfig:
 
 
 @dataclass
+class SamplingConfig:
+    """One evaluate sampling setting (vLLM's order: temperature, then top-k, then top-p)."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    top_k: int = 0  # tokens kept; 0 = off
+
+
+@dataclass
 class EvaluateConfig:
-    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    # the sampling settings every evaluate table is computed at; null = T=0, T=1 and the generate
+    # stage's own setting (generate.temperature / top_p / top_k): evaluate_settings()
+    sampling: Optional[list[SamplingConfig]] = None
+    temperatures: Optional[list[float]] = None  # deprecated: plain temperatures, same as sampling without top-p/top-k
     max_new_tokens: int = 256
     num_prompts: int = 64
     thresholds: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.5, 0.7])
-    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 256])
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 128, 256, 512])
+    # the scheduler verifies the best fixed block where the SPS curve's speed at R tokens per step is
+    # under (1 + this) x its speed at R (1 + block size) (pipeline.inference.scheduler.adaptive_can_pay);
+    # null = DSpark Algorithm 1 alone at every R
+    scheduler_min_speedup: Optional[float] = 0.10
     sps_table: Optional[str] = None  # JSON SPS curve; profiled on this machine when unset
     block_samples: int = 256  # held-out cache samples of the paired block-level evaluation (0 = off)
     block_anchors: int = 64  # anchors per held-out sample there (blocks = samples x anchors at most)
@@ -313,8 +350,12 @@ class EvaluateConfig:
 
 @dataclass
 class RayConfig:
-    address: Optional[str] = None  # None: RAY_ADDRESS if set (ray job submit), else a local instance
-    num_cpus: Optional[int] = None  # for a local instance
+    # the cluster to join: HOST:PORT, or auto (this machine's latest `ray start`); None: $RAY_ADDRESS if set
+    # (ray job submit sets it), else a private local instance, whatever else runs (pipeline.cluster.ray_address)
+    address: Optional[str] = None
+    num_cpus: Optional[int] = None  # CPUs of a private instance (None: the machine's); ignored when joining
+    # bytes of a private instance's object store (None: Ray's default, 30% of RAM; at least 75 MiB); ignored when joining
+    object_store_memory: Optional[int] = None
 
 
 @dataclass
@@ -389,6 +430,16 @@ def validate(cfg: RunConfig) -> RunConfig:
         _check(has_rank == (spec.head != SequentialHead.none), f"{key}.markov_rank",
                f"must be > 0 exactly when head != none (head={spec.head.value}, "
                f"markov_rank={spec.markov_rank}); markov_rank=0 means DFlash")
+        t_conf = spec.confidence_temperature
+        _check(t_conf is None or 0 <= t_conf < float("inf"), f"{key}.confidence_temperature",
+               f"must be a finite sampling temperature >= 0 (0 = greedy), or null for the generate stage's "
+               f"setting (got {t_conf})")
+        _check(0 < spec.confidence_top_p <= 1, f"{key}.confidence_top_p",
+               f"must be in (0, 1], 1 disables it (got {spec.confidence_top_p})")
+        _check(spec.confidence_top_k >= 0, f"{key}.confidence_top_k",
+               f"must be >= 0, 0 disables it (got {spec.confidence_top_k})")
+        _check(spec.confidence_calibration in CONFIDENCE_CALIBRATIONS, f"{key}.confidence_calibration",
+               f"must be one of {list(CONFIDENCE_CALIBRATIONS)} (got {spec.confidence_calibration!r})")
     if cfg.train.features != FeatureMode.cache:
         mode = cfg.train.features.value
         _check(cfg.train.stream_memory_bytes >= 2**16, "train.stream_memory_bytes",
@@ -416,8 +467,40 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(0 < cfg.calibrate.grid_step < 1, "calibrate.grid_step", "must be in (0, 1)")
     _check(cfg.calibrate.max_samples is None or cfg.calibrate.max_samples >= 1, "calibrate.max_samples",
            f"must be >= 1 held-out samples, or null to use all (got {cfg.calibrate.max_samples})")
-    _check(all(t >= 0 for t in cfg.evaluate.temperatures), "evaluate.temperatures", "must be >= 0")
+    _check(cfg.evaluate.sampling is None or cfg.evaluate.temperatures is None, "evaluate.temperatures",
+           "is the deprecated form of evaluate.sampling: set only evaluate.sampling, e.g. "
+           "evaluate.sampling='[{temperature: 0.7, top_p: 0.8, top_k: 20}]'")
+    _check(all(t >= 0 for t in cfg.evaluate.temperatures or []), "evaluate.temperatures", "must be >= 0")
+    _check(cfg.evaluate.scheduler_min_speedup is None or cfg.evaluate.scheduler_min_speedup >= 0,
+           "evaluate.scheduler_min_speedup", "must be >= 0 (a fraction, 0.10 = 10%), or null for Algorithm 1 alone")
+    try:
+        settings = evaluate_settings(cfg)
+    except ValueError as e:
+        raise ConfigError(f"evaluate.sampling: {e}") from None
+    _check(len(settings) >= 1, "evaluate.sampling", "must list at least one setting (or null for the defaults)")
     return cfg
+
+
+def evaluate_settings(cfg: RunConfig) -> list:
+    """The evaluate stage's sampling settings, in order, duplicates dropped: ``evaluate.sampling``;
+    else the deprecated ``evaluate.temperatures`` (no top-p / top-k); else T = 0, T = 1 and the
+    generate stage's own setting (the cached answers' distribution).
+
+    Returns:
+        list of :class:`training.spec_sampling.Sampling`.
+    Raises:
+        ValueError: a temperature, top_p or top_k out of range (the message names it).
+    """
+    from training.spec_sampling import Sampling
+
+    ev, gen = cfg.evaluate, cfg.generate
+    if ev.sampling is not None:
+        settings = [Sampling(s.temperature, s.top_p, s.top_k) for s in ev.sampling]
+    elif ev.temperatures is not None:
+        settings = [Sampling(t) for t in ev.temperatures]
+    else:
+        settings = [Sampling(0.0), Sampling(1.0), Sampling(gen.temperature, gen.top_p, max(gen.top_k, 0))]
+    return list(dict.fromkeys(settings))
 
 
 def to_run_config(raw: DictConfig | dict[str, Any]) -> RunConfig:

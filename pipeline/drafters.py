@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.config import DrafterSpec, RunConfig, SequentialHead
+from pipeline.config import DrafterSpec, RunConfig, SequentialHead, confidence_sampling
 from pipeline.errors import MissingStageOutputError
 from storage import join
 
@@ -22,6 +22,7 @@ def drafter_config(spec: DrafterSpec, cfg: RunConfig):
         markov_rank=spec.markov_rank,
         head_type="markov" if spec.head == SequentialHead.none else spec.head.value,
         confidence_head=spec.confidence_head, confidence_grad_to_backbone=spec.confidence_grad_to_backbone,
+        **dict(zip(("confidence_temperature", "confidence_top_p", "confidence_top_k"), confidence_sampling(spec, cfg))),
         num_anchors=cfg.train.num_anchors, draft_vocab_size=spec.draft_vocab_size, init=spec.init.value)
 
 

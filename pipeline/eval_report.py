@@ -21,8 +21,9 @@ def write_bytes(url: str, data: bytes) -> None:
 
 
 def tau_table(results: dict[str, Any], scheduler: dict[str, Any]) -> str:
-    """Markdown: tau per drafter and temperature (overall and per task), DSpark/DFlash ratio, and the
-    scheduler against the best fixed block size per concurrency."""
+    """Markdown: tau per drafter and sampling setting (overall and per task), DSpark/DFlash ratio, and
+    the scheduler against the best fixed block size per concurrency: ``scheduler`` is ``{setting key:
+    {drafter: {curve name ("cpu", "h200_model"): pipeline.inference.scheduler.simulate result}}}``."""
     lines = ["| T | drafter | tau | verified/round | tokens/s | vs target |", "|---|---|---|---|---|---|"]
     for key, res in results.items():
         for name, r in res["drafters"].items():
@@ -45,14 +46,21 @@ def tau_table(results: dict[str, Any], scheduler: dict[str, Any]) -> str:
             for name, r in res["drafters"].items():
                 cells = [f"{r['tasks'][t]['tau']:.3f}" if t in r["tasks"] else "-" for t in tasks]
                 lines.append(f"| {key[2:]} | {name} | " + " | ".join(cells) + " |")
-    for name, sim in scheduler.items():
-        lines += ["", f"scheduler ({name}, simulated on the SPS curve): tokens/s",
-                  "| R | best fixed gamma | fixed | scheduler | ratio | production | ratio |", "|---|---|---|---|---|---|---|"]
-        for r in sim["results"]:
-            best = r["best_fixed_gamma"]
-            lines.append(f"| {r['R']} | {best} | {r['fixed'][str(best)]['tokens_per_s']:.0f} | "
-                         f"{r['scheduler']['tokens_per_s']:.0f} | {r['ratio_scheduler']:.3f} | "
-                         f"{r['production']['tokens_per_s']:.0f} | {r['ratio_production']:.3f} |")
+    curves = {"cpu": "the measured SPS curve", "h200_model": "the H200 roofline model of Qwen3-4B"}
+    for key, per_drafter in scheduler.items():
+        for name, by_curve in per_drafter.items():
+            for curve, sim in by_curve.items():
+                lines += ["", f"scheduler ({name}, {key}, simulated on {curves.get(curve, curve)}; calibrate-stage "
+                          "STS confidences; * = fixed-block fallback): tokens/s",
+                          "| R | best fixed gamma | fixed | scheduler | ratio | production | ratio | Algorithm 1 alone |",
+                          "|---|---|---|---|---|---|---|---|"]
+                for r in sim["results"]:
+                    best = r["best_fixed_gamma"]
+                    star = "" if r.get("adaptive", True) else "*"
+                    lines.append(f"| {r['R']}{star} | {best} | {r['fixed'][str(best)]['tokens_per_s']:.0f} | "
+                                 f"{r['scheduler']['tokens_per_s']:.0f} | {r['ratio_scheduler']:.3f} | "
+                                 f"{r['production']['tokens_per_s']:.0f} | {r['ratio_production']:.3f} | "
+                                 f"{r['ratio_algorithm1']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

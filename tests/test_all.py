@@ -77,9 +77,15 @@ def test_all_stages_on_s3(tmp_path, s3_url):
         greedy, sampled = blocks[name]["0.0"], blocks[name]["1.0"]
         assert greedy["n"] == sampled["n"] > 100, (name, greedy["n"])
         assert greedy["tau"] > 1.0 + 3 * greedy["tau_se"] and sampled["tau"] > 1.0 + 3 * sampled["tau_se"]
-    sched = s["evaluate"]["scheduler"]["dspark"]["results"]
-    assert [r["R"] for r in sched] == [1, 8]
-    assert all(r["scheduler"]["tokens_per_s"] > 0 and r["ratio_scheduler"] > 0 for r in sched)
+    for curve in ("cpu", "h200_model"):
+        sched = s["evaluate"]["scheduler"]["T=0.7,p0.8,k20"]["dspark"][curve]["results"]
+        assert [r["R"] for r in sched] == [1, 8]
+        assert all(r["scheduler"]["tokens_per_s"] > 0 and r["ratio_scheduler"] > 0 for r in sched)
+    confidence = read_json(join(run_dir, "evaluate", "confidence.json"))
+    assert [(x["temperature"], x["top_p"], x["top_k"]) for x in confidence["settings"]] == [
+        (0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 0.8, 20)]
+    assert all(len(x["estimators"]["max_q"]["auc"]) == 4 and set(x["scheduler"]) == {"cpu", "h200_model"}
+               for x in confidence["settings"])
     ece = s["calibrate"]["drafters"]["dspark"]
     assert len(ece["temperatures"]) == 4 and all(t > 0 for t in ece["temperatures"])
 

@@ -11,13 +11,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.stages.calibrate import (ConfidenceSet, calibrate_drafter, collect_confidence, load_confidence,
-                                save_confidence)
+                                realised_confidence, save_confidence)
 from pipeline.errors import PipelineError
 from pipeline.target_model.prefill import TargetPrefill
 from training.target_weights import load_shared_weights
 from training.blocks import collate_samples
 from training.drafter import Drafter, DrafterConfig
-from training.losses import LossConfig
+from training.losses import LossConfig, confidence_labels, expected_tau
 
 IDS = [0, 2]
 
@@ -77,6 +77,34 @@ def test_collect_matches_the_inference_path_per_block(drafter, held_out):
     again = collect_confidence(drafter, batches, LossConfig(), seed=7)
     assert torch.equal(again.z, data.z) and torch.equal(again.y, data.y)
     assert not torch.equal(collect_confidence(drafter, batches, LossConfig(), seed=8).z, data.z)
+
+
+def test_realised_labels_are_the_drafters_own_acceptance(drafter, held_out):
+    # the same blocks as the teacher-forced set; at T = 0 a draft is accepted iff its argmax is the
+    # target's, so the realised survival is the running product of the greedy labels c*(T=0)
+    batches = [held_out[:3], held_out[3:]]
+    expected = collect_confidence(drafter, batches, LossConfig(), seed=7)
+    data, tau_expected = realised_confidence(drafter, batches, sampling=0.0, num_anchors=6, seed=7)
+    assert torch.equal(data.valid, expected.valid) and torch.equal(data.batch, expected.batch)
+    assert torch.allclose(data.z, expected.z, atol=1e-5)
+    assert tau_expected == pytest.approx(float(expected_tau(expected.y, expected.valid).mean()), rel=1e-5)
+    greedy = []
+    for i, samples in enumerate(batches):
+        batch = collate_samples(samples)
+        blocks = drafter.make_blocks(batch, torch.Generator().manual_seed(7 + i))
+        slots = drafter(batch, blocks)
+        g = confidence_labels(slots.hidden, slots.bias_features, slots.target_hidden, lm_head=drafter.lm_head.weight,
+                              markov_w2=drafter.markov_head.markov_w2.weight,
+                              target_lm_head=drafter.target_lm_head_weight, draft_to_target=None, sampling=0.0,
+                              chunk_size=64)
+        grid = torch.zeros(slots.num_blocks, 4)
+        grid[slots.block, slots.slot] = g
+        greedy.append(grid[blocks.valid.view(-1, 4)[:, 0]])
+    survival = torch.cumprod(torch.cat(greedy), 1) * data.valid
+    assert torch.equal(data.y, survival) and 0 < data.y[:, 0].sum() < data.num_blocks
+    assert ((data.y[:, 1:] <= data.y[:, :-1]) | ~data.valid[:, 1:]).all()          # prefix-closed 0/1
+    report = calibrate_drafter(data, n_bins=10, grid_step=0.05, label="realised")
+    assert report["label"] == "realised_acceptance"
 
 
 def test_collect_refuses_a_drafter_without_confidence_head(tiny_target_dir, held_out):
@@ -142,9 +170,11 @@ def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, t
     assert s["ece_after"][0] <= s["ece_before"][0]                # position 1: never worse than T = 1
     saved = load_confidence(str(out / "confidence.safetensors"))
     y, valid = saved.y, saved.valid
-    manual = (1 + torch.stack([(y[:, :k + 1] * valid[:, :k + 1]).prod(1) for k in range(7)], 1).sum(1)).mean()
-    assert s["block_size"] == 7 and s["heldout_tau_expected"] == pytest.approx(float(manual), rel=1e-5)
-    assert 1.0 < s["heldout_tau_expected"] < 8.0
+    # the default: realised 0/1 prefix survival of the drafter's own drafts at its confidence setting
+    assert report["label"] == s["label"] == "realised_acceptance"
+    assert s["confidence_sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    assert set(y[valid].unique().tolist()) <= {0.0, 1.0} and ((y[:, 1:] <= y[:, :-1]) | ~valid[:, 1:]).all()
+    assert s["block_size"] == 7 and 1.0 < s["heldout_tau_expected"] < 8.0
     assert (out / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert saved.num_blocks == s["num_blocks"]
 

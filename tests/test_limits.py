@@ -131,7 +131,7 @@ def test_run_calibrate_feeds_the_drafter_only_the_capped_samples(tmp_path, monke
     monkeypatch.setattr(cal, "collect_confidence", forward)
     import training.block_runner
     monkeypatch.setattr(training.block_runner, "eval_drafter", lambda model, device, dtype=None: model)
-    cfg = to_run_config({"run_dir": str(tmp_path / "run"), "train": {"drafters": {"dspark": {}}, "heldout_shards": 2,
+    cfg = to_run_config({"run_dir": str(tmp_path / "run"), "train": {"drafters": {"dspark": {"confidence_calibration": "expected"}}, "heldout_shards": 2,
                                                                      "micro_batch_samples": 2},
                          "calibrate": {"max_samples": 5, "bins": 4}})
     summary = cal.run_calibrate(cfg)

@@ -187,3 +187,32 @@ def test_h200_constants_and_module_imports_no_torch():
     code = "import sys, pipeline.inference.roofline; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_qwen3_4b_h200_curves_by_hand():
+    """The shipped Qwen3-4B config on one H200 at 1,024 cached tokens, verify costs computed by hand:
+    weights 2 x 4,022,468,096 B; KV 147,456 B per token; 8,648,523,776 FLOPs per token
+    (2 x 4,022,272,000 matmul parameters + 4 x 36 x 32 x 128 x 1,024); achieved 5.934e14 FLOP/s and
+    3.84e12 B/s; 200 us per forward."""
+    from pipeline.inference.roofline import qwen3_4b_h200_curves
+    from pipeline.inference.scheduler import adaptive_can_pay
+
+    target = ModelShape.from_config(QWEN3_4B)
+    drafter = DrafterShape.from_target(target)
+    curves = qwen3_4b_h200_curves([1, 256])
+    per_token = 2 * 4_022_272_000 + 4 * 36 * 32 * 128 * 1024
+    assert target.flops_per_token(1024) == per_token == 8_648_523_776
+    # R = 1, l = 8: memory-bound, (8,044,936,192 + 1,024 x 147,456) B / 3.84e12 B/s + 200 us = 2.3343 ms
+    verify_1 = (2 * 4_022_468_096 + 1024 * 147_456) / 3.84e12 + 200e-6
+    assert verify_1 == pytest.approx(2.3343e-3, rel=1e-4)
+    assert verify_step_seconds(target, H200, 1, 8, 1024) == pytest.approx(verify_1)
+    draft_1 = draft_step_seconds(drafter, H200, 1, 7, 1024)
+    assert float(curves[1](8)) == pytest.approx(1 / (draft_1 + verify_1)) and float(curves[1](1)) == float(curves[1](8))
+    # R = 256, l = 8: compute-bound, 256 x 8 x 8,648,523,776 FLOPs / 5.934e14 FLOP/s + 200 us = 30.05 ms
+    verify_256 = 256 * 8 * per_token / (0.6 * 989e12) + 200e-6
+    assert verify_256 == pytest.approx(30.049e-3, rel=1e-4)
+    assert (2 * 4_022_468_096 + 256 * 1024 * 147_456) / 3.84e12 < verify_256 - 200e-6     # memory 12.2 ms
+    assert float(curves[256](2048)) == pytest.approx(1 / (draft_step_seconds(drafter, H200, 256, 7, 1024) + verify_256))
+    # the scheduler's regime: flat at R = 1 (fixed-block fallback), 1.94x spread at R = 256 (adaptive)
+    assert not adaptive_can_pay(curves[1], 1, 7) and adaptive_can_pay(curves[256], 256, 7)
+    assert float(curves[256](256) / curves[256](2048)) == pytest.approx(1.94, abs=0.01)

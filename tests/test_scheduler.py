@@ -258,3 +258,29 @@ def test_anticipating_scheduler_breaks_losslessness():
     assert chi_square_pvalue(counts, P1) < 1e-12
     # the dropped drafts (token 4, c_2 = 0.2) are replaced by fresh target samples, so token 4 is rarer
     assert counts[4] / counts.sum() < 0.8 * P1[4]
+
+
+def test_fixed_block_fallback_where_the_curve_is_flat():
+    """The R = 1 defect: under-confident estimates (c = 0.3, realised acceptance 0.9 per slot) on a
+    curve only 3% slower at 8 tokens than at 1 made Algorithm 1 stop at 4 drafts and lose ~20% to the
+    best fixed block; the curve says other lengths cannot pay there (spread 1.03 < 1.10), so the
+    policy verifies the best fixed block: exactly 1.00x. Where the curve is steep it stays adaptive."""
+    from pipeline.inference.scheduler import adaptive_can_pay
+
+    rng = np.random.default_rng(3)
+    outcomes = np.cumprod(rng.uniform(size=(2_000, 7)) < 0.9, axis=1).astype(np.int8)
+    conf = np.full(outcomes.shape, 0.3)
+    flat = SPSCurve([1, 2, 8], [100.0, 100.0, 97.0])
+    old = simulate(outcomes, conf, flat, concurrency=(1,), n_steps=300, min_speedup=None)["results"][0]
+    assert old["ratio_scheduler"] < 0.85 and old["scheduler"]["verified_per_request"] == 4   # the defect
+    new = simulate(outcomes, conf, flat, concurrency=(1,), n_steps=300)["results"][0]
+    assert new["best_fixed_gamma"] == 7 and not new["adaptive"]
+    assert new["ratio_scheduler"] == pytest.approx(1.0, abs=1e-12) and new["ratio_production"] == pytest.approx(1.0, abs=1e-12)
+    assert not adaptive_can_pay(flat, 1, 7) and adaptive_can_pay(flat, 1, 7, min_speedup=0.02)
+    steep = {1: flat, 64: SPSCurve([64, 512], [100.0, 20.0])}
+    res = simulate(outcomes, rng.uniform(0.2, 1.0, outcomes.shape), steep, concurrency=(1, 64), n_steps=20)
+    assert [r["adaptive"] for r in res["results"]] == [False, True]
+    with pytest.raises(ValueError, match="no SPS curve for R = 4"):
+        simulate(outcomes, conf, steep, concurrency=(4,))
+    with pytest.raises(ValueError, match="min_speedup"):
+        simulate(outcomes, conf, flat, min_speedup=-0.1)

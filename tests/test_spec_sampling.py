@@ -1,14 +1,17 @@
 """Speculative sampling verification: greedy exactness, truncation, acceptance rate, input errors.
 
 The distributional (chi-square) losslessness checks, with and without the scheduler's truncation,
-live in tests/test_scheduler.py.
+live in tests/test_scheduler.py; the one at the serving setting (T=0.7, top-p 0.8, top-k 20) is here.
 """
 from __future__ import annotations
+
+import pickle
 
 import pytest
 import torch
 
-from training.spec_sampling import temperature_probs, verify_batch, verify_block
+from training.heads import sample_sequential
+from training.spec_sampling import Sampling, temperature_probs, truncation_mask, verify_batch, verify_block
 
 V = 6
 
@@ -95,3 +98,47 @@ def test_input_errors():
         verify_block(draft, _one_hot([3, 1]), p, g, verify_len=3)
     with pytest.raises(ValueError, match="integer ids"):
         verify_block(torch.tensor([3, 9]), _one_hot([3, 1]), p, g)
+
+
+def test_top_k_then_top_p_hand_values():
+    # probabilities 0.5, 0.2, 0.15, 0.1, 0.05 at T = 1 (vLLM's order: temperature, top-k, top-p, renormalise)
+    logits = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]).log()
+    nucleus = temperature_probs(logits, Sampling(1.0, top_p=0.8))    # mass above the 3rd is 0.7 < 0.8
+    assert torch.allclose(nucleus, torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    both = temperature_probs(logits, Sampling(1.0, top_p=0.8, top_k=2))  # top-p on the renormalised top-2
+    assert torch.allclose(both, torch.tensor([5 / 7, 2 / 7, 0, 0, 0]))
+    assert torch.equal(temperature_probs(logits, Sampling(1.0, top_p=0.7, top_k=2)),
+                       torch.tensor([1.0, 0, 0, 0, 0]))              # 5/7 >= 0.7: the 2nd goes
+    sharp = temperature_probs(logits, Sampling(0.5, top_k=3))
+    assert torch.allclose(sharp, torch.tensor([0.25, 0.04, 0.0225, 0, 0]) / 0.3125)
+    assert truncation_mask(logits, 1.0) is None and Sampling(1.0) == 1.0 and Sampling(0.7, 0.8, 20) != 0.7
+    s = Sampling(0.7, 0.8, 20)
+    assert f"T={s:g}" == "T=0.7,p0.8,k20" and pickle.loads(pickle.dumps(s)) == s and s.top_k == 20
+    for bad, match in (((0.7, 0.0), "top_p"), ((0.7, 1.0, -1), "top_k"), ((-1.0,), "temperature")):
+        with pytest.raises(ValueError, match=match):
+            Sampling(*bad)
+
+
+def test_speculative_sampling_at_the_serving_setting_is_lossless():
+    """Drafts from the drafter's sampler (Gumbel-max over top-k / top-p survivors) verified against
+    the truncated target: the first emitted token follows the target's truncated p_1, the drafts
+    follow the truncated q_1, and nothing outside either kept set is ever emitted or drafted."""
+    from tests.test_scheduler import chi_square_pvalue
+
+    s, n, vocab = Sampling(0.7, 0.8, 20), 40_000, 40
+    g = torch.Generator().manual_seed(5)
+    target = 1.5 * torch.randn(3, vocab, generator=g)             # slots 1, 2 and the bonus row
+    drafter = target[:2] + 0.8 * torch.randn(2, vocab, generator=g)
+    tokens, q, _ = sample_sequential(drafter.expand(n, 2, vocab), torch.zeros(n, 2, 1),
+                                     torch.zeros(n, dtype=torch.long), None, s, g)
+    p = temperature_probs(target, s).double()
+    q1 = temperature_probs(drafter[0], s).double()
+    assert torch.allclose(q[0].double(), temperature_probs(drafter, s).double(), atol=1e-6)
+    kept_p, kept_q = p[0] > 0, q1 > 0
+    assert 3 <= int(kept_p.sum()) <= 20 and 3 <= int(kept_q.sum()) <= 20      # the truncation is real
+    emitted, n_acc = verify_batch(tokens, q, p.float().expand(n, 3, vocab), g)
+    for x, probs, kept in ((emitted[:, 0], p[0], kept_p), (tokens[:, 0], q1, kept_q)):
+        counts = torch.bincount(x, minlength=vocab)
+        assert int(counts[~kept].sum()) == 0
+        assert chi_square_pvalue(counts[kept], probs[kept]) > 1e-3
+    assert 0.1 < float(n_acc.float().mean()) < 1.9                   # drafts are both accepted and rejected

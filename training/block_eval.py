@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from training.spec_sampling import temperature_probs
+from training.spec_sampling import Sampling, temperature_probs
 
 __all__ = ["ENTROPY_BINS", "block_uniforms", "speculative_outcomes", "paired_ratio", "PairedTally",
            "summarise", "format_table"]
@@ -91,7 +91,9 @@ def speculative_outcomes(q_logits: torch.Tensor, p_logits: torch.Tensor, valid: 
                          ) -> dict[str, torch.Tensor]:
     """Simulate speculative sampling of N blocks against the cached target (formulas: module doc).
 
-    ``T > 0``: ``q = softmax(q_logits / T)``, ``p = softmax(p_logits / T)``; ``x_k`` is the first
+    ``T > 0``: ``q = softmax(q_logits / T)``, ``p = softmax(p_logits / T)``, each truncated by the
+    setting's top-k then top-p and renormalised when ``temperature`` is a
+    :class:`training.spec_sampling.Sampling` (vLLM's order, :func:`temperature_probs`); ``x_k`` is the first
     index with ``cumsum(q_k) > u_draw * sum(q_k)`` (so ``q_k(x_k) > 0``), accepted iff
     ``u_accept * q_k(x_k) < p_k(x_k)``. ``T = 0``: ``x_k = argmax q_logits`` (first on ties),
     accepted iff ``x_k == argmax p_logits``; the uniforms are unused. Probabilities are float32
@@ -100,7 +102,8 @@ def speculative_outcomes(q_logits: torch.Tensor, p_logits: torch.Tensor, valid: 
     Args:
         q_logits, p_logits: [N, gamma, V] float drafter / target logits. valid: [N, gamma] bool
             prefix mask with every ``valid[:, 0]`` True. u_draw, u_accept: [N, >= gamma] in [0, 1)
-            (:func:`block_uniforms`; extra columns ignored). temperature: T >= 0.
+            (:func:`block_uniforms`; extra columns ignored). temperature: T >= 0 or a
+            :class:`training.spec_sampling.Sampling` (T with top-p / top-k).
     Returns:
         dict on the logits' device: ``tokens`` [N, gamma] int64 drawn x_k (at every slot);
         ``accept`` [N, gamma] bool the per-slot decision, ignoring the stop; ``reached`` [N, gamma]
@@ -182,7 +185,8 @@ def paired_ratio(tau_a: torch.Tensor, tau_b: torch.Tensor) -> tuple[float, float
 
 
 class PairedTally:
-    """Accumulates :func:`speculative_outcomes` per ``(drafter, temperature)``, keeping per-block values
+    """Accumulates :func:`speculative_outcomes` per ``(drafter, setting)`` (a temperature or a
+    :class:`training.spec_sampling.Sampling`; a plain float T is the setting without truncation), keeping per-block values
     in call order (so two drafters fed the same batches in the same order are paired by block)."""
 
     _KEYS = ("tau", "tau_expected", "target_entropy")
@@ -192,7 +196,7 @@ class PairedTally:
 
     def add(self, drafter: str, temperature: float, outcomes: dict[str, torch.Tensor]) -> None:
         """Append one chunk of outcomes. Raises ValueError if the drafter's gamma changed."""
-        key = (drafter, float(temperature))
+        key = (drafter, Sampling.of(temperature))
         reached, acc = outcomes["reached"].sum(0).long().cpu(), outcomes["accepted_at"].sum(0).long().cpu()
         d = self._data.setdefault(key, {k: [] for k in self._KEYS} | {"reached": torch.zeros_like(reached),
                                                                        "accepted": torch.zeros_like(acc)})
@@ -211,7 +215,7 @@ class PairedTally:
     def values(self, drafter: str, temperature: float, name: str) -> torch.Tensor:
         """[n] float64 per-block ``tau``, ``tau_expected`` or ``target_entropy``; or [gamma] int64
         ``reached`` / ``accepted`` slot counts. Raises KeyError for an unknown drafter / temperature."""
-        d = self._data[(drafter, float(temperature))]
+        d = self._data[(drafter, Sampling.of(temperature))]
         v = d[name]
         return torch.cat(v) if isinstance(v, list) else v.clone()
 

@@ -27,6 +27,7 @@ import torch
 from training.blocks import build_blocks, collate_samples, sample_anchors
 from training.block_eval import PairedTally, block_uniforms, speculative_outcomes
 from training.data import module_device, to_device
+from training.spec_sampling import Sampling, temperature_probs
 
 __all__ = ["EVAL_CHUNK_BLOCKS", "eval_drafter", "block_slots", "slot_logits", "chunked_outcomes",
            "evaluate_blocks"]
@@ -130,10 +131,11 @@ def chunked_outcomes(model, slots, blocks: torch.Tensor, u_draw: torch.Tensor, u
         model: the drafter (block size gamma). slots: its :class:`training.losses.SupervisedSlots`.
         blocks: [n] int64 flat block indices to evaluate, ascending, each with a valid first slot.
         u_draw, u_accept: [n, >= gamma] uniforms of those blocks (:func:`block_uniforms`).
-        temperatures: T values. chunk_blocks: blocks per chunk (>= 1). max_q: also return
-            ``max_q`` [n, gamma] float32, the largest of ``softmax(q_logits / T)`` (T = 1 at T = 0).
+        temperatures: sampling settings (T values or :class:`training.spec_sampling.Sampling`).
+            chunk_blocks: blocks per chunk (>= 1). max_q: also return ``max_q`` [n, gamma] float32,
+            the largest draft probability at the setting (top-k / top-p applied; ``softmax(q_logits)`` at T = 0).
     Returns:
-        ``({T: {field: tensor}}, valid [n, gamma] bool, confidence [n, gamma] float32 or None)``, all
+        ``({Sampling: {field: tensor}}, valid [n, gamma] bool, confidence [n, gamma] float32 or None)``, all
         on the slots' device, rows in ``blocks``' order.
     Raises:
         ValueError: ``chunk_blocks < 1``; as :func:`speculative_outcomes`.
@@ -145,7 +147,7 @@ def chunked_outcomes(model, slots, blocks: torch.Tensor, u_draw: torch.Tensor, u
     row_of = torch.full((slots.num_blocks,), -1, dtype=torch.long, device=dev)
     row_of[blocks.to(dev)] = torch.arange(n, device=dev)
     slot_row = row_of[slots.block]
-    outs: dict[float, dict[str, list]] = {float(T): {} for T in temperatures}
+    outs: dict[Sampling, dict[str, list]] = {Sampling.of(T): {} for T in temperatures}
     valids, confs = [], []
     for start in range(0, max(n, 1), chunk_blocks):  # one empty chunk when n = 0: empty outcomes
         stop = min(n, start + chunk_blocks)
@@ -162,9 +164,9 @@ def chunked_outcomes(model, slots, blocks: torch.Tensor, u_draw: torch.Tensor, u
             out = speculative_outcomes(q, p, valid, u_draw[start:stop], u_accept[start:stop], T)
             kept = {f: out[f] for f in KEPT}
             if max_q:
-                kept["max_q"] = torch.softmax(q / (T if T > 0 else 1.0), dim=-1).amax(-1)
+                kept["max_q"] = (temperature_probs(q, T) if T > 0 else torch.softmax(q, dim=-1)).amax(-1)
             for f, v in kept.items():
-                outs[float(T)].setdefault(f, []).append(v)
+                outs[Sampling.of(T)].setdefault(f, []).append(v)
         del q, p
     cat = {T: {f: torch.cat(v) for f, v in d.items()} for T, d in outs.items()}
     return cat, torch.cat(valids), torch.cat(confs) if confs else None
@@ -185,7 +187,8 @@ def evaluate_blocks(drafters: Mapping[str, torch.nn.Module], batches: Iterable[S
     Args:
         drafters: name -> drafter (any layouts and block sizes; one target).
         batches: lists of cache sample mappings (``training.data.as_mapping``).
-        temperatures: T values (0 = greedy). num_anchors: anchors per sample (distinct, uniform
+        temperatures: sampling settings: T values (0 = greedy) or :class:`training.spec_sampling.Sampling`
+            (T, top-p, top-k; a plain T is the setting without truncation). num_anchors: anchors per sample (distinct, uniform
             over positions whose token and next token are supervised, as in training).
         seed: anchors and uniforms are a pure function of ``(seed, batch index)``.
         tally: add to this tally (e.g. drafters of an fp8 cache, fed the same samples of that cache:

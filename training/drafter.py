@@ -29,6 +29,7 @@ from training.blocks import (Blocks, DraftBatch, build_blocks, dense_block_mask,
 from training.draft_vocab import draft_to_target_ids
 from training.heads import HEAD_TYPES, ConfidenceHead, build_sequential_head, sample_sequential
 from training.losses import LossConfig, LossOutput, SupervisedSlots, drafter_loss
+from training.spec_sampling import Sampling
 
 __all__ = ["DrafterConfig", "DraftContext", "DraftResult", "Drafter", "resolve_attention", "compiled_flex_attention",
            "FLEX_GRAPH_LIMIT"]
@@ -54,6 +55,11 @@ class DrafterConfig:
         confidence_head: add the confidence head.
         confidence_grad_to_backbone: let the confidence loss push gradient into the backbone and the
             Markov embedding (default False: only the confidence head learns from it).
+        confidence_temperature, confidence_top_p, confidence_top_k: the sampling setting (T >= 0,
+            top-p in (0, 1], top-k >= 0; :class:`training.spec_sampling.Sampling`) of the confidence
+            head's label ``c*`` (:func:`training.losses.confidence_labels`; T = 0: greedy acceptance;
+            (1, 1, 0): the TV term's ``c*``), the serving setting the head is to rank. A training-time
+            choice: recorded, not compared.
         num_anchors: anchors sampled per sample in training. draft_vocab_size: reduced output
             vocabulary (EAGLE-3 style) or None for the full target vocabulary.
         attention: ``"sdpa"`` (dense mask), ``"flex"`` (BlockMask; compiled on CUDA at padded static
@@ -73,6 +79,9 @@ class DrafterConfig:
     head_type: str = "markov"
     confidence_head: bool = True
     confidence_grad_to_backbone: bool = False
+    confidence_temperature: float = 1.0
+    confidence_top_p: float = 1.0
+    confidence_top_k: int = 0
     num_anchors: int = 512
     draft_vocab_size: int | None = None
     attention: str = "auto"
@@ -83,6 +92,10 @@ class DrafterConfig:
         ids = self.target_layer_ids
         if not ids or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < -1:
             raise ValueError(f"target_layer_ids must be non-empty, strictly ascending and >= -1, got {ids}")
+        try:
+            self.confidence_sampling  # noqa: B018 -- validates the setting
+        except ValueError as e:
+            raise ValueError(f"confidence_temperature / confidence_top_p / confidence_top_k: {e}") from None
         for name in ("num_layers", "block_size", "num_anchors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -94,6 +107,11 @@ class DrafterConfig:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         if self.init not in INIT_MODES:
             raise ValueError(f"init must be one of {INIT_MODES}, got {self.init!r}")
+
+    @property
+    def confidence_sampling(self) -> Sampling:
+        """The confidence label's sampling setting. Raises ValueError (naming the value) if out of range."""
+        return Sampling(self.confidence_temperature, self.confidence_top_p, self.confidence_top_k)
 
     @property
     def slots(self) -> int:
@@ -330,6 +348,23 @@ class Drafter(nn.Module):
         """[V_draft] int64 target id of each draft id, or None for the full vocabulary."""
         return getattr(self, "draft_ids", None)
 
+    def _apply(self, fn, recurse=True):
+        """``nn.Module._apply`` (behind ``.to(device)``, ``.bfloat16()``, ...) keeping a tied target's frozen
+        ``lm_head.weight`` / ``target_lm_head`` on the storage of ``embed_tokens.weight``: moved one by one,
+        two parameters sharing a storage would become two copies (0.78 GB more per GPU at V = 151,936,
+        H = 2,560 in bf16). The shared parameters are emptied before the move and pointed back after, so
+        not even a transient second copy is made."""
+        embed = self.embed_tokens.weight
+        tied = [p for p in (self.lm_head.weight, getattr(self, "target_lm_head", None))
+                if p is not None and p is not embed and p.data_ptr() == embed.data_ptr() and p.shape == embed.shape]
+        for p in tied:
+            p.data = p.data.new_empty(0)
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            for p in tied:
+                p.data = self.embed_tokens.weight.data
+
     @property
     def target_lm_head_weight(self) -> torch.Tensor:
         """[V, H] the target's full ``lm_head`` (used for ``p_t``)."""
@@ -461,11 +496,12 @@ class Drafter(nn.Module):
             num_blocks=B * N, block_size=gamma)
 
     def loss(self, slots: SupervisedSlots, config: LossConfig, group=None, reduce: bool = True) -> LossOutput:
-        """:func:`training.losses.drafter_loss` with this drafter's frozen heads and Markov ``W2``."""
+        """:func:`training.losses.drafter_loss` with this drafter's frozen heads and Markov ``W2`` (the
+        confidence label at ``config.confidence_sampling``)."""
         w2 = None if self.markov_head is None else self.markov_head.markov_w2.weight
         return drafter_loss(slots, lm_head=self.lm_head.weight, target_lm_head=self.target_lm_head_weight,
                             markov_w2=w2, draft_to_target=self.draft_to_target, config=config, group=group,
-                            reduce=reduce)
+                            reduce=reduce, confidence_sampling=self.config.confidence_sampling)
 
     # -- inference ------------------------------------------------------------------------------
     @torch.no_grad()

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from training.spec_sampling import temperature_probs
+from training.spec_sampling import temperature_probs, truncation_mask
 
 __all__ = ["MarkovHead", "GatedMarkovHead", "RNNHead", "ControlHead", "ConfidenceHead", "HEAD_TYPES",
            "build_sequential_head", "sample_sequential"]
@@ -203,7 +203,10 @@ def sample_sequential(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_id
         base_logits: [B, S, V_draft] backbone logits of the predicting slots.
         hidden: [B, S, H] backbone output (after the final norm) of the same slots.
         anchor_ids: [B] int64 anchor tokens (target ids), the ``x_{k-1}`` of slot 0.
-        head: a sequential head or None. temperature: T >= 0. generator: on the logits' device.
+        head: a sequential head or None. temperature: T >= 0, or a
+            :class:`training.spec_sampling.Sampling` whose top-k / top-p truncate each ``q_k`` as vLLM
+            does (the Gumbel-max then runs over the kept tokens, an exact draw from the truncated
+            ``q_k``). generator: on the logits' device.
         draft_to_target: [V_draft] int64 target id of each draft id, or None (same vocabulary).
     Returns:
         tokens [B, S] int64 target ids, q [B, S, V_draft] float32 (rows sum to 1),
@@ -218,8 +221,10 @@ def sample_sequential(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_id
     if temperature > 0:
         noise = torch.empty_like(score).exponential_(generator=generator)
         score = score - noise.log()
+    truncate = temperature > 0 and getattr(temperature, "truncates", False)  # top-k / top-p (Sampling)
     if head is None:
-        idx = score.argmax(-1)
+        keep = truncation_mask(base_logits.float() * scale, temperature) if truncate else None
+        idx = (score if keep is None else score.masked_fill(~keep, float("-inf"))).argmax(-1)
         tokens = idx if draft_to_target is None else draft_to_target[idx]
         prev = torch.cat([anchor_ids.long().view(-1, 1), tokens[:, :-1]], dim=1)
         return tokens, temperature_probs(base_logits, temperature), prev
@@ -227,7 +232,11 @@ def sample_sequential(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_id
     for k in range(base_logits.shape[1]):
         u, state = head.step(state, x, hidden[:, k])
         bias = head.bias(u).float()
-        idx = torch.add(score[:, k], bias, alpha=scale).argmax(-1)
+        logits_k = torch.add(score[:, k], bias, alpha=scale)
+        if truncate:  # the kept set of q_k, from the noiseless logits: Gumbel-max over it draws from q_k
+            keep = truncation_mask(torch.add(base_logits[:, k].float(), bias) * scale, temperature)
+            logits_k = logits_k.masked_fill(~keep, float("-inf"))
+        idx = logits_k.argmax(-1)
         prevs.append(x)
         biases.append(bias)
         x = idx if draft_to_target is None else draft_to_target[idx]

@@ -8,7 +8,13 @@ DSpark paper sec. 3.3 (training objective, eq. 12), per supervised predicting sl
     W = sum of w_k over every supervised slot on every rank (all-reduced)
 
 ``c*_k = sum_v min(p_d, p_t)`` is the probability that speculative sampling accepts the draft at k
-given an accepted prefix (Leviathan et al. 2023, Theorem 3.5), hence the confidence target.
+given an accepted prefix (Leviathan et al. 2023, Theorem 3.5), hence the confidence target. That
+probability depends on the serving engine's sampling setting s (temperature, top-p, top-k): with
+``confidence_sampling=s`` other than plain T = 1 the head's label is ``c*_k(s) = sum_v min(p_d^s, p_t^s)``
+with both distributions taken at s by :func:`training.spec_sampling.temperature_probs` (T = 0:
+``1[argmax p_d = argmax p_t]``, the greedy acceptance indicator; :func:`confidence_labels`), computed without gradient
+in its own chunk loop (one more pair of vocabulary projections in the forward, none in the backward);
+the CE and TV terms and ``c*`` of the metrics stay at T = 1.
 ``p_t`` is recomputed from the cached final hidden state with the frozen target ``lm_head``; both
 ``p_d`` and ``p_t`` are computed ``chunk_size`` slots at a time, so no tensor of size
 (supervised slots x V) is ever alive, in forward or backward. Two ways to get the gradient
@@ -45,9 +51,10 @@ from torch.utils.checkpoint import checkpoint
 
 from training.blocks import IGNORE_LABEL
 from training.draft_vocab import target_to_draft_ids
+from training.spec_sampling import Sampling, temperature_probs
 
 __all__ = ["LossConfig", "SupervisedSlots", "LossOutput", "metrics_from_stats", "conditional_acceptance",
-           "position_weights", "expected_tau", "drafter_loss"]
+           "confidence_labels", "position_weights", "expected_tau", "drafter_loss"]
 
 
 @dataclass
@@ -113,7 +120,7 @@ class LossOutput:
         c_star: [M] float32 detached ``c*`` of the local slots.
         metrics: detached global (all-reduced) values: ``loss``, ``ce``, ``tv``, ``confidence_bce``
             (each normalised by W), ``acceptance_per_position`` [gamma] (mean ``c*`` per slot, NaN
-            where no slot), ``tau_expected``, ``confidence_error`` (mean ``|sigmoid(c) - c*|``, NaN
+            where no slot), ``tau_expected``, ``confidence_error`` (mean ``|sigmoid(c) - label|``, the head's label, NaN
             without a head), ``supervised_slots``, ``weight_sum`` (W).
         stats: the summed statistics behind ``metrics`` (see :func:`metrics_from_stats`).
     """
@@ -159,6 +166,43 @@ def conditional_acceptance(p_draft: torch.Tensor, p_target: torch.Tensor) -> tor
         [...] float32 in [0, 1].
     """
     return (1 - 0.5 * (p_draft.float() - p_target.float()).abs().sum(-1)).clamp(0, 1)
+
+
+@torch.no_grad()
+def confidence_labels(hidden: torch.Tensor, u: torch.Tensor | None, target_hidden: torch.Tensor, *,
+                      lm_head: torch.Tensor, markov_w2: torch.Tensor | None, target_lm_head: torch.Tensor,
+                      draft_to_target: torch.Tensor | None, sampling: float | Sampling, chunk_size: int
+                      ) -> torch.Tensor:
+    """The confidence head's label at a sampling setting: ``c*_k = sum_v min(p_d^s, p_t^s)``, the
+    probability that speculative sampling at setting s accepts the draft at k given an accepted prefix
+    (Leviathan et al. 2023, Thm. 3.5; T = 0: ``1[argmax p_d = argmax p_t]``, first index on ties).
+
+    ``p^s`` is :func:`training.spec_sampling.temperature_probs` of the logits at s (temperature, then
+    top-k / top-p as vLLM; the decoding loop's one sampling function); with a reduced draft vocabulary the target's distribution is taken over
+    the full vocabulary and read on the draft ids (mass outside them is never accepted). Computed
+    ``chunk_size`` slots at a time without gradient.
+
+    Args:
+        hidden: [M, H] drafter slots after the final norm. u: [M, r] Markov features or None.
+        target_hidden: [M, H] the target's final hidden state before each label.
+        lm_head: [V_draft, H]. markov_w2: [V_draft, r] or None (with ``u``). target_lm_head: [V, H].
+        draft_to_target: [V_draft] int64 or None. sampling: a temperature T >= 0 or a
+            :class:`training.spec_sampling.Sampling`. chunk_size: slots per chunk >= 1.
+    Returns:
+        [M] float32 in [0, 1] (detached).
+    Raises:
+        ValueError: T negative or not finite (as ``temperature_probs``).
+    """
+    out = []
+    for lo in range(0, hidden.shape[0], chunk_size):
+        sl = slice(lo, lo + chunk_size)
+        zd = _draft_logits(hidden[sl], None if u is None else u[sl], lm_head, markov_w2)
+        zt = target_hidden[sl].to(target_lm_head.dtype) @ target_lm_head.t()
+        p_t = temperature_probs(zt.to(zd.dtype), sampling)
+        if draft_to_target is not None:
+            p_t = p_t[:, draft_to_target]
+        out.append(torch.minimum(temperature_probs(zd, sampling), p_t).sum(-1).float().clamp(0, 1))
+    return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
 
 
 def position_weights(slot: torch.Tensor, decay_lambda: float) -> torch.Tensor:
@@ -327,7 +371,8 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
 
 def drafter_loss(slots: SupervisedSlots, *, lm_head: torch.Tensor, target_lm_head: torch.Tensor,
                  markov_w2: torch.Tensor | None, draft_to_target: torch.Tensor | None,
-                 config: LossConfig, group=None, reduce: bool = True) -> LossOutput:
+                 config: LossConfig, group=None, reduce: bool = True,
+                 confidence_sampling: float | Sampling = 1.0) -> LossOutput:
     """The DSpark loss of this rank's supervised slots, normalised by the global weight sum.
 
     Formula and sources in the module docstring. With a reduced draft vocabulary (EAGLE-3 style),
@@ -344,6 +389,10 @@ def drafter_loss(slots: SupervisedSlots, *, lm_head: torch.Tensor, target_lm_hea
         reduce: all-reduce the statistics (training; the fused path with gradients also all-reduces W
             alone before its chunk loop); False keeps them local, for callers that sum them over many
             batches first and reduce once (:func:`metrics_from_stats`).
+        confidence_sampling: the sampling setting (a temperature or a
+            :class:`training.spec_sampling.Sampling` with top-p / top-k) of the confidence head's label
+            (:func:`confidence_labels`); 1.0 (default) is the TV term's own ``c*``. ``LossOutput.c_star``
+            and the ``acceptance`` / ``tau`` metrics stay at T = 1.
     Returns:
         :class:`LossOutput`; with no supervised slot anywhere the loss is 0 with zero gradients.
         Without autograd (``torch.no_grad`` or no input requiring grad) both paths compute the same
@@ -383,7 +432,11 @@ def drafter_loss(slots: SupervisedSlots, *, lm_head: torch.Tensor, target_lm_hea
     nums = [(w * ce).sum(), (w * tv).sum()]
     conf = slots.confidence_logits
     if conf is not None:
-        bce = F.binary_cross_entropy_with_logits(conf.float(), c_star, reduction="none")
+        label = c_star if Sampling.of(confidence_sampling) == 1.0 else confidence_labels(
+            slots.hidden, slots.bias_features, slots.target_hidden, lm_head=lm_head, markov_w2=markov_w2,
+            target_lm_head=target_lm_head, draft_to_target=draft_to_target, sampling=confidence_sampling,
+            chunk_size=config.chunk_size)
+        bce = F.binary_cross_entropy_with_logits(conf.float(), label, reduction="none")
         nums.append((w * bce).sum())
     else:
         nums.append(ce.new_zeros(()))
@@ -395,7 +448,7 @@ def drafter_loss(slots: SupervisedSlots, *, lm_head: torch.Tensor, target_lm_hea
         grid_valid[slots.block, slots.slot] = True
         has_block = grid_valid.any(-1)
         tau_sum = expected_tau(grid, grid_valid)[has_block].sum()
-        err = (torch.sigmoid(conf.float()) - c_star).abs().sum() if conf is not None else c_star.new_zeros(())
+        err = (torch.sigmoid(conf.float()) - label).abs().sum() if conf is not None else c_star.new_zeros(())
         stats = torch.cat([torch.stack([w.sum(), *[n.detach() for n in nums], err, c_star.new_tensor(float(M)),
                                         tau_sum, has_block.sum().float()]),
                            grid.sum(0), grid_valid.sum(0).float()])

@@ -15,25 +15,138 @@ Indexing (0-based in code): ``q[k]`` is the draft distribution of slot k, ``p[k]
 distribution of the token after the prefix ``d[:k]`` (so ``p[0]`` is the target's next-token
 distribution at the anchor and ``p[gamma]`` the bonus distribution after a full accept).
 
+Sampling settings (:class:`Sampling`): temperature, top-k and top-p are applied to the target's
+and to the drafter's logits alike, in vLLM's order (vLLM v1 ``Sampler.sample``: temperature, then
+``apply_top_k_top_p`` in ``vllm/v1/sample/ops/topk_topp_sampler.py``: top-k, then top-p on what
+top-k kept, then softmax, i.e. renormalised). Verification against the truncated target ``p`` stays
+lossless for any draft distribution ``q`` the draft was sampled from (Leviathan et al. 2023, Thm.
+3.5 holds for any ``q``); truncating ``q`` the same way only raises acceptance.
+
 Why two speculative-sampling modules: this is the verify rule over tensors and the one
-temperature function (the block-level evaluation uses it too); :mod:`pipeline.inference.speculate` is the loop around an HF target.
+sampling-distribution function (the block-level evaluation and the drafter's sampler use it too);
+:mod:`pipeline.inference.speculate` is the loop around an HF target.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["temperature_probs", "verify_batch", "verify_block"]
+__all__ = ["Sampling", "truncation_mask", "temperature_probs", "verify_batch", "verify_block"]
 
 
-def temperature_probs(logits: torch.Tensor, T: float) -> torch.Tensor:
-    """Sampling distribution at temperature T: ``softmax(logits / T)``; T = 0 means greedy.
+class Sampling(float):
+    """A sampling setting: its float value is the temperature T; ``top_p`` and ``top_k`` truncate.
+
+    A float so that every function taking a temperature takes a setting unchanged (``T > 0``,
+    ``1 / T`` and the drafter's sampler work as before); equal to (and hashing as) the plain float
+    when it does not truncate (``top_p == 1`` and ``top_k == 0``), so ``Sampling(1.0)`` and ``1.0``
+    are the same dict key, while ``Sampling(0.7, 0.8, 20)`` differs from ``0.7``. Formats as the
+    temperature followed by the truncation (``f"{s:g}"`` -> ``"0.7,p0.8,k20"``), which names its
+    tables, keys (``"T=0.7,p0.8,k20"``) and files.
 
     Args:
-        logits: [..., V] float logits. T: temperature >= 0 (unitless).
+        temperature: T >= 0, finite (0 = greedy: top-p / top-k change nothing there).
+        top_p: nucleus mass in (0, 1]; 1 disables it. top_k: tokens kept, >= 0; 0 disables it.
+    Raises:
+        ValueError: a value out of range (the message names it and its range).
+    """
+
+    def __new__(cls, temperature: float, top_p: float = 1.0, top_k: int = 0):
+        if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature!r}")
+        if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {top_p!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
+        self = super().__new__(cls, float(temperature))
+        self.top_p, self.top_k = float(top_p), int(top_k)
+        return self
+
+    @classmethod
+    def of(cls, value: "float | Sampling") -> "Sampling":
+        """``value`` as a :class:`Sampling` (a plain float: that temperature, no truncation)."""
+        return value if isinstance(value, Sampling) else cls(value)
+
+    @property
+    def temperature(self) -> float:
+        return float(self)
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-p or top-k removes tokens (at T > 0)."""
+        return self.top_p < 1 or self.top_k > 0
+
+    def _key(self) -> tuple:
+        return (float(self), self.top_p, self.top_k)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Sampling):
+            return self._key() == other._key()
+        return not self.truncates and float(self) == other
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(float(self)) if not self.truncates else hash(self._key())
+
+    def __format__(self, spec: str) -> str:
+        t = format(float(self), spec)
+        return t + (f",p{self.top_p:g},k{self.top_k}" if self.truncates else "")
+
+    def __repr__(self) -> str:
+        return f"Sampling(temperature={float(self)!r}, top_p={self.top_p!r}, top_k={self.top_k!r})"
+
+    def __getnewargs__(self) -> tuple:
+        return self._key()
+
+    def to_dict(self) -> dict:
+        """``{"temperature", "top_p", "top_k"}`` (JSON-able)."""
+        return {"temperature": float(self), "top_p": self.top_p, "top_k": self.top_k}
+
+
+def truncation_mask(scaled_logits: torch.Tensor, setting: "float | Sampling") -> torch.Tensor | None:
+    """Tokens kept by top-k then top-p, as vLLM v1's ``apply_top_k_top_p`` keeps them.
+
+    Top-k keeps the k largest logits; top-p then keeps, of those, the smallest set of the largest
+    probabilities (``softmax`` over the top-k survivors) whose mass reaches ``top_p``: a token is kept
+    iff the mass of the tokens ranked strictly above it is < top_p (the most likely token always
+    stays). Ties at the k-th value are broken by sort order, as in vLLM.
+
+    Args:
+        scaled_logits: [..., V] float logits already divided by the temperature.
+        setting: a :class:`Sampling` (or a float: no truncation).
     Returns:
-        probabilities [..., V] on ``logits``' device, float32 (float64 if ``logits`` is float64); for
-        ``T == 0`` the one-hot of ``argmax`` (first index on ties), which makes speculative sampling
-        exact greedy decoding. The one function for target and draft distributions alike.
+        bool [..., V] True where kept, or None when ``setting`` does not truncate.
+    """
+    s = Sampling.of(setting)
+    if not s.truncates:
+        return None
+    V = scaled_logits.shape[-1]
+    sorted_logits, order = scaled_logits.sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=scaled_logits.device)
+    keep_sorted = rank < (s.top_k if 0 < s.top_k < V else V)
+    keep_sorted = keep_sorted.expand_as(sorted_logits)
+    if s.top_p < 1:
+        probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+        above = probs.cumsum(-1) - probs
+        keep_sorted = keep_sorted & (above < s.top_p)
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def temperature_probs(logits: torch.Tensor, T: "float | Sampling") -> torch.Tensor:
+    """Sampling distribution at setting T: ``softmax(logits / T)`` restricted to the tokens that
+    top-k then top-p keep (:func:`truncation_mask`) and renormalised, vLLM's order (module doc);
+    T = 0 means greedy.
+
+    Args:
+        logits: [..., V] float logits. T: temperature >= 0 (unitless), or a :class:`Sampling`.
+    Returns:
+        probabilities [..., V] on ``logits``' device, float32 (float64 if ``logits`` is float64),
+        zero outside the kept tokens; for ``T == 0`` the one-hot of ``argmax`` (first index on
+        ties), which makes speculative sampling exact greedy decoding. The one function for target
+        and draft distributions alike.
     Raises:
         ValueError: ``T < 0`` or not finite.
     """
@@ -43,7 +156,9 @@ def temperature_probs(logits: torch.Tensor, T: float) -> torch.Tensor:
     if T == 0:
         hot = torch.zeros(logits.shape, dtype=dtype, device=logits.device)
         return hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.softmax(logits.to(dtype) / T, dim=-1)
+    scaled = logits.to(dtype) / float(T)
+    keep = truncation_mask(scaled, T)
+    return torch.softmax(scaled if keep is None else scaled.masked_fill(~keep, float("-inf")), dim=-1)
 
 
 def _check(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, verify_len: torch.Tensor

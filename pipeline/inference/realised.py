@@ -31,6 +31,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from pipeline.inference.scheduler import MIN_SPEEDUP
+
 __all__ = ["Outcomes", "from_rounds", "from_records", "fit_estimators", "conditional", "metrics",
            "plot_reliability", "compare", "recommendation", "format_tables"]
 
@@ -188,36 +190,51 @@ def plot_reliability(path: str, curves: dict[str, torch.Tensor], data: Outcomes,
     return path
 
 
+def _simulation(set_name: str, full: Outcomes, est: dict[str, Any], sps, concurrency: Sequence[int],
+                seed: int, min_speedup: float | None) -> dict[str, Any]:
+    """The scheduler simulation of every estimator on the realised full blocks ``full`` over one cost
+    curve (an :class:`SPSCurve` or ``{R: SPSCurve}``); the structure of ``compare``'s ``simulation``."""
+    from pipeline.inference.scheduler import simulate
+
+    sim: dict[str, Any] = {"set": set_name, "blocks": full.num_blocks}
+    if full.num_blocks:
+        y, _ = full.labels()
+        for e, p in est.items():
+            res = simulate(y.numpy().astype(np.int64), conditional(p, full).numpy(), sps, concurrency=concurrency,
+                           seed=seed, min_speedup=min_speedup)["results"]
+            sim.setdefault("fixed", {str(r["R"]): {g: v["tokens_per_s"] for g, v in r["fixed"].items()} for r in res})
+            sim.setdefault("best_fixed", {str(r["R"]): r["best_fixed_gamma"] for r in res})
+            sim.setdefault("adaptive", {str(r["R"]): r["adaptive"] for r in res})
+            sim[e] = {str(r["R"]): {"tokens_per_s": r["scheduler"]["tokens_per_s"], "ratio": r["ratio_scheduler"],
+                                    "ratio_production": r["ratio_production"], "ratio_algorithm1": r["ratio_algorithm1"],
+                                    "verified_per_request": r["scheduler"]["verified_per_request"]} for r in res}
+    return sim
+
+
 def compare(fit: Outcomes, reports: dict[str, Outcomes], sps, *, concurrency: Sequence[int],
-            export_temperature: float | None, seed: int, n_bins: int = 15) -> dict[str, Any]:
+            export_temperature: float | None, seed: int, n_bins: int = 15, model_curves=None,
+            min_speedup: float | None = MIN_SPEEDUP) -> dict[str, Any]:
     """Fit the estimators on ``fit``; per report set, their per-position metrics; on the first report
-    set's full blocks, the scheduler simulation per estimator against fixed block lengths.
+    set's full blocks, the scheduler simulation per estimator against fixed block lengths, on ``sps``
+    and, when given, on ``model_curves`` (``{R: SPSCurve}``, e.g. the H200 roofline model);
+    ``min_speedup``: the scheduler's fixed-block fallback (``pipeline.inference.scheduler.simulate``).
 
     Returns:
         ``{"fit_blocks", "estimators": {name: params}, "metrics": {set: {"blocks", name: [per position]}},
         "simulation": {"set", "blocks", "fixed": {R: {gamma: tokens/s}}, "best_fixed": {R: gamma},
-        name: {R: {"tokens_per_s", "ratio", "ratio_production", "verified_per_request"}}}}`` (R as str).
+        "adaptive": {R: bool}, name: {R: {"tokens_per_s", "ratio", "ratio_production", "ratio_algorithm1",
+        "verified_per_request"}}}}`` (R as str), plus ``"simulation_h200_model"`` of the same form
+        when ``model_curves`` is given.
     """
-    from pipeline.inference.scheduler import simulate
-
     est = fit_estimators(fit, export_temperature=export_temperature, n_bins=n_bins)
     out: dict[str, Any] = {"fit_blocks": fit.num_blocks, "estimators": est, "metrics": {}}
     for name, data in reports.items():
         out["metrics"][name] = {"blocks": data.num_blocks, **{e: metrics(conditional(p, data), data) for e, p in est.items()}}
     set_name, data = next(iter(reports.items()))
     full = data.full()
-    sim: dict[str, Any] = {"set": set_name, "blocks": full.num_blocks}
-    if full.num_blocks:
-        y, _ = full.labels()
-        for e, p in est.items():
-            res = simulate(y.numpy().astype(np.int64), conditional(p, full).numpy(), sps, concurrency=concurrency,
-                           seed=seed)["results"]
-            sim.setdefault("fixed", {str(r["R"]): {g: v["tokens_per_s"] for g, v in r["fixed"].items()} for r in res})
-            sim.setdefault("best_fixed", {str(r["R"]): r["best_fixed_gamma"] for r in res})
-            sim[e] = {str(r["R"]): {"tokens_per_s": r["scheduler"]["tokens_per_s"], "ratio": r["ratio_scheduler"],
-                                    "ratio_production": r["ratio_production"],
-                                    "verified_per_request": r["scheduler"]["verified_per_request"]} for r in res}
-    out["simulation"] = sim
+    out["simulation"] = _simulation(set_name, full, est, sps, concurrency, seed, min_speedup)
+    if model_curves is not None:
+        out["simulation_h200_model"] = _simulation(set_name, full, est, model_curves, concurrency, seed, min_speedup)
     return out
 
 
@@ -258,14 +275,19 @@ def format_tables(name: str, key: str, cmp: dict[str, Any]) -> str:
             cells = [f"{_cell(p['ece_mass'])} / {_cell(p['ece15'])} / {_cell(p['auc'], '.2f')}" for p in m[e]]
             ok = [p["ece_mass"] for p in m[e] if p["ece_mass"] is not None]
             lines.append(f"| {e} | " + " | ".join(cells) + f" | {np.mean(ok) if ok else float('nan'):.4f} |")
-    sim = cmp["simulation"]
-    if "fixed" in sim:
+    for curve, sim in (("measured SPS curve", cmp["simulation"]),
+                       ("H200 roofline model of Qwen3-4B", cmp.get("simulation_h200_model", {}))):
+        if "fixed" not in sim:
+            continue
         est = [e for e in ESTIMATORS if e in sim]
-        lines += ["", f"{name} {key}: simulated tokens/s over the best fixed block length ({sim['blocks']} "
-                  f"realised full blocks of {sim['set']}, scheduler = DSpark Algorithm 1)",
+        lines += ["", f"{name} {key}, {curve}: simulated tokens/s over the best fixed block length ({sim['blocks']} "
+                  f"realised full blocks of {sim['set']}, scheduler = DSpark Algorithm 1 with the fixed-block "
+                  "fallback, production variant in brackets; * = fallback: the curve says other lengths cannot pay)",
                   "| R | best fixed gamma | fixed tokens/s | " + " | ".join(est) + " |",
                   "|---:|---:|---:|" + "---:|" * len(est)]
         for R, g in sim["best_fixed"].items():
-            lines.append(f"| {R} | {g} | {sim['fixed'][R][str(g)]:.0f} | "
-                         + " | ".join(f"{sim[e][R]['ratio']:.3f}" for e in est) + " |")
+            star = "" if sim.get("adaptive", {}).get(R, True) else "*"
+            lines.append(f"| {R}{star} | {g} | {sim['fixed'][R][str(g)]:.0f} | "
+                         + " | ".join(f"{sim[e][R]['ratio']:.3f} ({sim[e][R]['ratio_production']:.3f})" for e in est)
+                         + " |")
     return "\n".join(lines) + "\n"

@@ -13,6 +13,13 @@ context token. Activations, logits and the new KV written are left out: for Qwen
 under ~10% of the weights' bytes below the ridge and never the binding term above it. Every
 :data:`H200` constant beyond the datasheet is an assumption: use a measured curve
 (:mod:`pipeline.inference.sps`) where a GPU is at hand.
+
+A speculative step is one draft forward (:func:`draft_step_seconds`, paid whatever the verified
+length) plus one verify forward (:func:`verify_step_seconds`); :func:`sps_curves` gives one curve
+per concurrency R for the scheduler simulation (``pipeline.inference.scheduler.simulate`` takes the
+mapping), :func:`qwen3_4b_h200_curves` the product's target (Qwen3-4B, the shipped
+``pipeline/target_model/shapes/qwen3_4b.json``) and drafter (5 layers, 5 fused features, Markov rank
+256, a confidence head: conf/qwen3_4b.yaml) on one H200.
 """
 from __future__ import annotations
 
@@ -23,7 +30,13 @@ from numbers import Integral, Real
 from pipeline.inference.scheduler import SPSCurve
 
 __all__ = ["Accelerator", "H200", "ModelShape", "DrafterShape", "Regime", "verify_step_seconds",
-           "draft_step_seconds", "sps_curve", "regime"]
+           "draft_step_seconds", "sps_curve", "sps_curves", "qwen3_4b_h200_curves", "regime", "ROOFLINE_CONTEXT"]
+
+ROOFLINE_CONTEXT = 1024
+"""Default cached tokens per request of the H200 model: the largest power of two at which R = 512
+requests fit one H200 (8 GB of weights + 512 x 1,032 x 147,456 B = 78 GB of KV cache < 141 GB; at
+2,048 tokens R = 512 needs 164 GB). At longer contexts the KV reads keep the verify step
+memory-bound up to larger R, so adaptive verification starts to pay later."""
 
 
 def _size(name: str, value, minimum: int = 1, what: str = "") -> int:
@@ -321,3 +334,30 @@ def sps_curve(target: ModelShape, drafter: DrafterShape, acc: Accelerator, batch
     draft = draft_step_seconds(drafter, acc, R, max(L - 1, 1) if block_size is None else block_size, context)
     steps = [1.0 / (draft + verify_step_seconds(target, acc, R, l, context)) for l in range(1, L + 1)]
     return SPSCurve([R * l for l in range(1, L + 1)], steps)
+
+
+def sps_curves(target: ModelShape, drafter: DrafterShape, acc: Accelerator, concurrency, block_size: int,
+               context: int) -> dict[int, SPSCurve]:
+    """One :func:`sps_curve` per concurrency R, l = 1..block_size + 1 tokens verified per request,
+    drafting ``block_size`` slots: ``{R: SPSCurve}``, the form the scheduler simulation takes.
+
+    Raises:
+        ValueError: an R or block_size < 1, context < 0.
+    """
+    return {int(R): sps_curve(target, drafter, acc, R, block_size + 1, context, block_size) for R in concurrency}
+
+
+def qwen3_4b_h200_curves(concurrency, block_size: int = 7, context: int = ROOFLINE_CONTEXT) -> dict[int, SPSCurve]:
+    """:func:`sps_curves` of Qwen3-4B (its published config, shipped at
+    ``pipeline/target_model/shapes/qwen3_4b.json``) verifying the conf/qwen3_4b.yaml drafter
+    (:meth:`DrafterShape.from_target` defaults) on one :data:`H200`, at ``context`` cached tokens.
+
+    Raises:
+        ValueError: an R or block_size < 1, context < 0.
+    """
+    import json
+    from importlib.resources import files
+
+    config = json.loads(files("pipeline.target_model").joinpath("shapes/qwen3_4b.json").read_text())
+    target = ModelShape.from_config(config)
+    return sps_curves(target, DrafterShape.from_target(target), H200, concurrency, block_size, context)

@@ -18,18 +18,34 @@ each request is a contiguous prefix ``1..l_r``, and the decision for (r, j) depe
 candidates ranked above it, never on a later position of the same request (non-anticipating, which
 keeps speculative sampling lossless). Production variant: the budget ``K`` (admitted drafts) comes
 from the confidences of two steps earlier; the current step admits the top-K by current survival.
+
+Fallback to the fixed block (:func:`adaptive_can_pay`): the serving engine runs a fixed block of
+``g`` drafts (vLLM's ``num_speculative_tokens``, chosen by benchmark: the best fixed block). Whatever
+it verifies, a step of R requests with blocks of gamma drafts processes between R and R (1 + gamma)
+tokens, so choosing per-request lengths can change its speed by at most ``SPS(R) / SPS(R (1 +
+gamma))``; when that ceiling is below ``1 + min_speedup`` the curve says verifying fewer (or other)
+drafts cannot pay for the tokens it risks, and every request verifies the fixed ``g`` drafts: the
+step is then exactly the fixed block's, so the policy is 1.00x the best fixed block there by
+construction (Algorithm 1 alone lost ~3% at R = 1, where the curve is flat, on miscalibrated
+confidences). The decision reads the curve alone, never a confidence: non-anticipating (lossless).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import fsspec
 import numpy as np
 
-__all__ = ["SPSCurve", "Schedule", "survival", "schedule", "fill_top_k", "schedule_production",
-           "simulate"]
+__all__ = ["SPSCurve", "Schedule", "MIN_SPEEDUP", "survival", "schedule", "fill_top_k", "schedule_production",
+           "adaptive_can_pay", "simulate"]
+
+MIN_SPEEDUP = 0.10
+"""Default ``min_speedup`` of :func:`adaptive_can_pay`: adaptive verification runs only where the
+curve's speed at R tokens per step is at least 10% above its speed at R (1 + gamma) (below that, the
+gain of any per-request choice, a fraction of this ceiling, is within the confidences' calibration
+error and Algorithm 1 lost to the best fixed block)."""
 
 
 class SPSCurve:
@@ -156,6 +172,32 @@ def _plan(a: np.ndarray, n_admit: int, sps: SPSCurve) -> Schedule:
     return Schedule(lengths, admitted, B, tau, float(tau * sps(B)) if R else 0.0)
 
 
+def adaptive_can_pay(sps: SPSCurve, R: int, gamma: int, min_speedup: float = MIN_SPEEDUP) -> bool:
+    """Whether choosing per-request verified lengths can pay at concurrency R with blocks of gamma
+    drafts: ``SPS(R) >= (1 + min_speedup) SPS(R (1 + gamma))``, the largest change of step speed any
+    choice of lengths can make (module doc). A pure function of the curve.
+
+    Args:
+        sps: :class:`SPSCurve` (steps/s over tokens per step). R: requests >= 1.
+        gamma: drafts per block >= 0. min_speedup: >= 0 (0: adaptive at every R).
+    Raises:
+        ValueError: R < 1, gamma < 0 or min_speedup < 0.
+    """
+    if R < 1 or gamma < 0 or not min_speedup >= 0:
+        raise ValueError(f"need R >= 1, gamma >= 0 and min_speedup >= 0, got {R}, {gamma}, {min_speedup}")
+    return bool(sps(R) >= (1 + min_speedup) * sps(R * (1 + gamma)))
+
+
+def _fixed(a: np.ndarray, g: int, sps: SPSCurve) -> Schedule:
+    """Every request verifies ``min(g, gamma)`` drafts (the fixed block)."""
+    R, gamma = a.shape
+    admitted = np.zeros((R, gamma), dtype=bool)
+    admitted[:, :min(g, gamma)] = True
+    B = int(R + admitted.sum())
+    tau = float(R + a[admitted].sum())
+    return Schedule(admitted.sum(1).astype(np.int64), admitted, B, tau, float(tau * sps(B)) if R else 0.0)
+
+
 def schedule(conf: np.ndarray, sps: SPSCurve) -> Schedule:
     """DSpark Algorithm 1: greedy admission by survival while Theta = tau(B) * SPS(B) strictly rises.
 
@@ -225,9 +267,18 @@ def _summary(tokens: float, seconds: float, steps: int, R: int, verified: float)
             "verified_per_request": verified / (steps * R)}
 
 
-def simulate(outcomes: np.ndarray, conf: np.ndarray, sps: SPSCurve, *,
+def _curve(sps: SPSCurve | Mapping[int, SPSCurve], R: int) -> SPSCurve:
+    """The curve of concurrency R: ``sps`` itself, or ``sps[R]`` (one curve per R, e.g. the roofline's)."""
+    if isinstance(sps, SPSCurve):
+        return sps
+    if R not in sps:
+        raise ValueError(f"no SPS curve for R = {R}: pass one per concurrency (have {sorted(sps)})")
+    return sps[R]
+
+
+def simulate(outcomes: np.ndarray, conf: np.ndarray, sps: SPSCurve | Mapping[int, SPSCurve], *,
              concurrency: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
-             n_steps: int = 200, seed: int = 0) -> dict:
+             n_steps: int = 200, seed: int = 0, min_speedup: float | None = MIN_SPEEDUP) -> dict:
     """Replay recorded blocks to compare fixed gamma against the scheduler (DSpark Algorithm 1).
 
     At concurrency R, each of ``n_steps`` steps draws R recorded blocks uniformly with replacement
@@ -235,20 +286,27 @@ def simulate(outcomes: np.ndarray, conf: np.ndarray, sps: SPSCurve, *,
     drafts emits ``1 + sum_{j<=l} outcome_j`` tokens (accepted prefix plus resample / bonus) and the
     step takes ``1 / SPS(B)`` seconds with ``B = sum_r (1 + l_r)``. Throughput = total tokens / total
     seconds. The production variant takes its budget from the blocks drawn two steps earlier (the
-    first two steps use their own confidences).
+    first two steps use their own confidences). Both adaptive policies fall back to the best fixed
+    block (the engine's configured ``num_speculative_tokens``) where :func:`adaptive_can_pay` says
+    other verified lengths cannot pay (module doc); ``min_speedup=None`` turns the fallback off
+    (Algorithm 1 alone, as the paper).
 
     Args:
         outcomes: [M, gamma] 0/1 realised acceptances, prefix-closed (1s then 0s).
         conf: [M, gamma] calibrated conditional acceptances c_{r,j} in [0, 1] of the same blocks.
-        sps: :class:`SPSCurve`. concurrency: R values (>= 1). n_steps: steps per R (>= 1). seed: RNG seed.
+        sps: :class:`SPSCurve`, or ``{R: SPSCurve}`` one per concurrency (the roofline's
+            :func:`pipeline.inference.roofline.sps_curves`). concurrency: R values (>= 1).
+        n_steps: steps per R (>= 1). seed: RNG seed. min_speedup: the fallback's threshold (>= 0) or None.
     Returns:
-        JSON-able dict ``{"gamma", "n_steps", "seed", "results": [per R: {"R", "fixed": {"1": summary,
-        ...}, "scheduler": summary, "production": summary, "best_fixed_gamma", "ratio_scheduler",
-        "ratio_production"}]}``; a summary is ``{"tokens_per_s", "tokens_per_s_per_user", "tau"
+        JSON-able dict ``{"gamma", "n_steps", "seed", "min_speedup", "results": [per R: {"R", "fixed":
+        {"1": summary, ...}, "scheduler": summary, "production": summary, "algorithm1": summary (DSpark
+        Algorithm 1 alone, no fallback, for comparison), "best_fixed_gamma", "adaptive" (False where
+        the fallback verified the fixed block), "ratio_scheduler", "ratio_production", "ratio_algorithm1"}]}``; a summary is ``{"tokens_per_s", "tokens_per_s_per_user", "tau"
         (tokens per request per step, bonus included), "verified_per_request"}`` and the ratios are
         tokens/s over the best fixed gamma's tokens/s.
     Raises:
-        ValueError: shape mismatch, outcomes not 0/1 prefix-closed, or bad R / n_steps.
+        ValueError: shape mismatch, outcomes not 0/1 prefix-closed, bad R / n_steps / min_speedup,
+            or no curve for an R.
     """
     out = np.asarray(outcomes)
     c = np.asarray(conf, dtype=np.float64)
@@ -260,30 +318,38 @@ def simulate(outcomes: np.ndarray, conf: np.ndarray, sps: SPSCurve, *,
     survival(c)                                   # validates conf: [M, gamma] in [0, 1]
     if n_steps < 1 or any(int(r) < 1 for r in concurrency):
         raise ValueError(f"need n_steps >= 1 and every R >= 1, got {n_steps}, {list(concurrency)}")
+    if min_speedup is not None and not min_speedup >= 0:
+        raise ValueError(f"min_speedup must be >= 0 (or None: no fallback to the fixed block), got {min_speedup}")
     gamma = out.shape[1]
     accepted_upto = np.concatenate([np.zeros((out.shape[0], 1)), np.cumsum(out, axis=1)], axis=1)
     rng = np.random.default_rng(seed)
     results = []
     for R in (int(r) for r in concurrency):
+        curve = _curve(sps, R)
         idx = rng.integers(0, out.shape[0], size=(n_steps, R))
         fixed = {}
         for g in range(1, gamma + 1):
             tokens = float((1 + accepted_upto[idx, g]).sum())
-            fixed[str(g)] = _summary(tokens, n_steps / float(sps(R * (1 + g))), n_steps, R, n_steps * R * g)
-        totals = {"scheduler": [0.0, 0.0, 0.0], "production": [0.0, 0.0, 0.0]}
+            fixed[str(g)] = _summary(tokens, n_steps / float(curve(R * (1 + g))), n_steps, R, n_steps * R * g)
+        best = max(fixed, key=lambda g: fixed[g]["tokens_per_s"])
+        adaptive = min_speedup is None or adaptive_can_pay(curve, R, gamma, min_speedup)
+        totals = {"scheduler": [0.0, 0.0, 0.0], "production": [0.0, 0.0, 0.0], "algorithm1": [0.0, 0.0, 0.0]}
         for t in range(n_steps):
             rows = idx[t]
-            plans = {"scheduler": schedule(c[rows], sps),
-                     "production": schedule_production(c[rows], c[idx[t - 2] if t >= 2 else rows], sps)}
+            plans = {"algorithm1": schedule(c[rows], curve)}
+            if adaptive:
+                plans["scheduler"] = plans["algorithm1"]
+                plans["production"] = schedule_production(c[rows], c[idx[t - 2] if t >= 2 else rows], curve)
+            else:
+                plans["scheduler"] = plans["production"] = _fixed(survival(c[rows]), int(best), curve)
             for name, plan in plans.items():
                 acc = totals[name]
                 acc[0] += float((1 + accepted_upto[rows, plan.lengths]).sum())
-                acc[1] += 1.0 / float(sps(plan.batch_tokens))
+                acc[1] += 1.0 / float(curve(plan.batch_tokens))
                 acc[2] += float(plan.lengths.sum())
-        best = max(fixed, key=lambda g: fixed[g]["tokens_per_s"])
-        entry = {"R": R, "fixed": fixed, "best_fixed_gamma": int(best)}
+        entry = {"R": R, "fixed": fixed, "best_fixed_gamma": int(best), "adaptive": adaptive}
         for name, (tok, sec, ver) in totals.items():
             entry[name] = _summary(tok, sec, n_steps, R, ver)
             entry[f"ratio_{name}"] = entry[name]["tokens_per_s"] / fixed[best]["tokens_per_s"]
         results.append(entry)
-    return {"gamma": gamma, "n_steps": n_steps, "seed": seed, "results": results}
+    return {"gamma": gamma, "n_steps": n_steps, "seed": seed, "min_speedup": min_speedup, "results": results}

@@ -5,8 +5,11 @@ once over ``[anchor, d_1..d_l]`` on its KV cache; standard speculative sampling 
 2023, :mod:`training.spec_sampling`) accepts a prefix and emits one more token (the resample or the
 bonus). The target's hidden states at the accepted positions become the drafter's next context,
 and the KV cache is cropped back to them. The emitted tokens follow the target's distribution at
-temperature T exactly (greedy at T = 0), whatever the drafter and the verified length ``l``, as long
-as ``l`` is chosen before verification (the threshold policy below only reads confidences).
+the sampling setting exactly (temperature, then top-k, then top-p, renormalised, as vLLM: a
+:class:`training.spec_sampling.Sampling`, or a plain temperature; greedy at T = 0), whatever the
+drafter and the verified length ``l``, as long as ``l`` is chosen before verification (the threshold
+policy below only reads confidences). The drafter samples from its own distribution truncated the
+same way (:func:`training.heads.sample_sequential`).
 
 Why two speculative-sampling modules: the verify rule over tensors is :mod:`training.spec_sampling`
 (with the temperature function the block-level evaluation uses); this module is the decoding loop around the target's KV cache.
@@ -114,7 +117,8 @@ def device_generator(device: torch.device | str, seed: int) -> torch.Generator:
 
 def plain_decode(model, prompt: Sequence[int], *, max_new_tokens: int, temperature: float,
                  stop_ids: set[int], generator: torch.Generator) -> Decoded:
-    """Autoregressive target decoding with a KV cache (the baseline of the same run)."""
+    """Autoregressive target decoding with a KV cache (the baseline of the same run), sampling at
+    ``temperature``: T >= 0 or a :class:`training.spec_sampling.Sampling` (top-p / top-k applied)."""
     t0 = time.perf_counter()
     target = Target(model)
     logits, _ = target.forward(prompt, last_only=True)
@@ -137,7 +141,8 @@ def speculative_decode(model, drafter, prompt: Sequence[int], *, tap: LayerTap,
         model: HF causal LM target (eval). drafter: :class:`training.drafter.Drafter` (eval).
         tap: a :class:`LayerTap` on ``model`` at the drafter's target layer ids (made once per model).
         prompt: token ids of the rendered prompt (with the generation prompt).
-        temperature: T >= 0 for both target and drafter. stop_ids: end-of-turn / eos ids.
+        temperature: the sampling setting of both target and drafter: T >= 0, or a
+            :class:`training.spec_sampling.Sampling` (T, top-p, top-k). stop_ids: end-of-turn / eos ids.
         policy: verified length from the confidences (fixed gamma by default).
 
     Returns:

@@ -16,10 +16,20 @@ deciding where the ECE is flat (within ``ece_tol`` of its minimum), and a positi
 positions whose temperature still sits at a bound. :func:`training.sts.fit_global_temperature` fits
 the one temperature that the export folds into the head (what vLLM's raw sigmoid can express).
 
+Which labels (``train.drafters.<name>.confidence_calibration``): ``realised`` (default) fits and reports
+on the realised 0/1 prefix survival ``1[accepted >= k]`` of the drafter's own drafts, sampled at the
+head's serving setting (``confidence_temperature`` / ``_top_p`` / ``_top_k``, :func:`pipeline.config.confidence_sampling`)
+and verified by speculative sampling against the cached target distribution on the same held-out
+blocks (:func:`realised_confidence`, the block-level evaluation's
+``training.block_runner.evaluate_blocks``); ``expected`` on the teacher-forced ``c*_k`` at T = 1
+(:func:`collect_confidence`). The survival is what a serving engine's scheduler ranks and what the
+decoding loop realises (docs/results.md: a head calibrated on ``c*`` is over-confident on decoding
+rounds).
+
 Outputs under ``<run_dir>/calibrate/<drafter>/``: ``report.json`` (temperatures; ECE, Brier and AUC
 per position before and after), ``reliability.png`` and ``confidence.safetensors`` (the ``z``, ``y``,
 ``valid`` arrays, so that the export stage can report the ECE of the confidence as vLLM sees it).
-Realised 0/1 prefix-survival labels come from live decoding (the evaluate stage), not from the cache.
+The evaluate stage judges every estimator again on the decoding loop's rounds of held-out prompts.
 """
 from __future__ import annotations
 
@@ -31,17 +41,18 @@ from typing import Any
 
 import torch
 
-from pipeline.config import RunConfig
+from pipeline.config import RunConfig, confidence_sampling
 from pipeline.errors import ConfigError, PipelineError
 from storage import filesystem, join, write_json
 
 log = logging.getLogger("pipeline.stages.calibrate")
 
 __all__ = ["ConfidenceSet", "HeldoutSelection", "select_heldout", "heldout_batches", "collect_confidence",
-           "calibrate_drafter", "save_confidence", "load_confidence", "task_options", "task_device", "run_task",
+           "realised_confidence", "calibrate_drafter", "save_confidence", "load_confidence", "task_options", "task_device", "run_task",
            "run_calibrate"]
 
-LABEL_KIND = "expected_acceptance"  # c*_k = 1 - 0.5 ||p_d - p_t||_1 from the cached target states
+LABEL_KINDS = {"expected": "expected_acceptance",  # c*_k = 1 - 0.5 ||p_d - p_t||_1 from the cached target states
+               "realised": "realised_acceptance"}  # 1[accepted >= k] of the drafter's own drafts at its T
 
 
 @dataclass
@@ -185,17 +196,62 @@ def collect_confidence(model, batches: Iterable[Sequence[Mapping[str, torch.Tens
     return ConfidenceSet(*(torch.cat(t).cpu() for t in (zs, ys, vs, bs)))
 
 
-def calibrate_drafter(data: ConfidenceSet, *, n_bins: int, grid_step: float) -> dict[str, Any]:
+def realised_confidence(model, batches: Iterable[Sequence[Mapping[str, torch.Tensor]]], *, sampling,
+                        num_anchors: int, seed: int) -> tuple[ConfidenceSet, float]:
+    """The drafter's confidence logits against the realised acceptance of its own drafts on cache blocks.
+
+    Anchors are those of :func:`collect_confidence` (``sample_anchors`` seeded ``seed + i`` for the
+    i-th batch, ``num_anchors`` per sample); each block is drafted at the setting ``sampling`` and verified by
+    speculative sampling against the cached target distribution
+    (``training.block_runner.evaluate_blocks(records=...)``, uniforms a pure function of
+    ``(seed, batch)``), so the set is a pure function of (weights, samples, seed, temperature).
+
+    Args:
+        model: a :class:`training.drafter.Drafter` with a confidence head. batches: lists of cache
+            sample mappings. sampling: the setting of the drafts and the target, a temperature T >= 0
+            (0 = greedy) or a :class:`training.spec_sampling.Sampling` (top-p / top-k).
+        num_anchors: anchors per sample. seed: anchors and uniforms.
+    Returns:
+        ``(set, tau_expected)``: the :class:`ConfidenceSet` (``z`` the logits [N, gamma], ``y`` the prefix
+        survival ``1[accepted >= k]`` (0/1 float32), ``valid`` ``k <= verified`` (the block's supervised
+        prefix), ``batch``) and the mean over the same blocks of ``1 + sum_j prod_{i<=j} c*_i`` at T = 1
+        (the figure :func:`collect_confidence`'s labels give, :func:`training.losses.expected_tau`).
+    Raises:
+        PipelineError: no confidence head, or no supervised block in ``batches``.
+        ValueError: a sampling setting out of range.
+    """
+    from training.block_runner import evaluate_blocks
+
+    if model.confidence_head is None:
+        raise PipelineError("this drafter has no confidence head: nothing to calibrate (set "
+                            "train.drafters.<name>.confidence_head=true and retrain)")
+    records: dict = {}
+    settings = [sampling] if sampling == 1.0 else [sampling, 1.0]
+    tally = evaluate_blocks({"drafter": model}, batches, temperatures=settings, num_anchors=num_anchors, seed=seed,
+                            records=records)
+    rec = {k: torch.cat(v) for k, v in next(iter(records.values()), {}).items()}
+    if not rec or rec["accepted"].numel() == 0:
+        raise PipelineError("the held-out samples hold no supervised block: cache more rows or raise "
+                            "train.heldout_shards")
+    k = torch.arange(1, model.config.block_size + 1)
+    data = ConfidenceSet(rec["z"].float(), (rec["accepted"][:, None] >= k).float(), rec["verified"][:, None] >= k,
+                         rec["group"].long())
+    return data, float(tally.values("drafter", 1.0, "tau_expected").mean())
+
+
+def calibrate_drafter(data: ConfidenceSet, *, n_bins: int, grid_step: float, label: str = "expected"
+                      ) -> dict[str, Any]:
     """Fit STS temperatures and the global temperature on the fit half of ``data`` and report the
     calibration on the other half (:meth:`ConfidenceSet.split`; DSpark sec. 3.2.1).
 
     Args:
         data: confidence logits, labels and prefix mask. n_bins: ECE bins. grid_step: coarse search
-            step for each ``T_k`` (refined tenfold around the best point).
+            step for each ``T_k`` (refined tenfold around the best point). label: what ``data.y`` is,
+            ``"expected"`` (``c*``) or ``"realised"`` (0/1 survival).
     Returns:
         :func:`training.sts.calibration_report` on the report half (``before``, ``after`` = STS,
         ``global``) plus ``global_temperature``, ``num_blocks``, ``fit_blocks``, ``report_blocks``,
-        ``label`` (``"expected_acceptance"``) and ``sts``: the guards ``{"t_min", "t_max", "ece_tol",
+        ``label`` (``"expected_acceptance"`` or ``"realised_acceptance"``) and ``sts``: the guards ``{"t_min", "t_max", "ece_tol",
         "min_blocks", "at_bounds" (1-based positions), "global_at_bound"}``.
     Raises:
         ValueError: as :func:`training.sts.fit_temperatures`.
@@ -208,7 +264,7 @@ def calibrate_drafter(data: ConfidenceSet, *, n_bins: int, grid_step: float) -> 
     T_g = fit_global_temperature(fit.z, fit.y, fit.valid, n_bins=n_bins)
     report = calibration_report(held.z, held.y, held.valid, T, n_bins=n_bins, global_temperature=T_g)
     return {**report, "global_temperature": T_g, "num_blocks": data.num_blocks, "fit_blocks": fit.num_blocks,
-            "report_blocks": held.num_blocks, "label": LABEL_KIND,
+            "report_blocks": held.num_blocks, "label": LABEL_KINDS[label],
             "sts": {"t_min": T_MIN, "t_max": T_MAX, "ece_tol": ECE_TOL, "min_blocks": MIN_BLOCKS,
                     "at_bounds": at_bounds(T), "global_at_bound": bool(at_bounds([T_g]))}}
 
@@ -274,10 +330,12 @@ def run_task(cfg: RunConfig, fn, *args, gpus: float, cpus: float, name: str):
     return ray.get(ray.remote(**options)(fn).remote(*args))
 
 
-def collect_all(cfg: RunConfig, names: Sequence[str], selection: HeldoutSelection) -> dict[str, ConfidenceSet]:
-    """The :class:`ConfidenceSet` of each drafter in ``names`` (:func:`collect_confidence` over the
-    ``selection`` of held-out samples), each drafter on :func:`task_device` in the target's dtype on a
-    GPU (float32 on the CPU, as trained there): the body of calibrate's task."""
+def collect_all(cfg: RunConfig, names: Sequence[str], selection: HeldoutSelection
+                ) -> dict[str, tuple[ConfidenceSet, float]]:
+    """The :class:`ConfidenceSet` of each drafter in ``names`` over the ``selection`` of held-out
+    samples, with its held-out ``tau_expected`` at T = 1 (``1 + sum_j prod_{i<=j} c*_i``, block mean), each drafter on :func:`task_device` in the target's dtype on a
+    GPU (float32 on the CPU, as trained there), on the labels its ``confidence_calibration`` names
+    (:func:`realised_confidence` or :func:`collect_confidence`): the body of calibrate's task."""
     from cache_schema import CacheReader
     from pipeline.drafters import load_trained_drafter
     from pipeline.stages.cache import cache_url
@@ -285,7 +343,7 @@ def collect_all(cfg: RunConfig, names: Sequence[str], selection: HeldoutSelectio
     from pipeline.config import torch_dtype
     from pipeline.target_model.loader import resolve_target_path
     from training.block_runner import eval_drafter
-    from training.losses import LossConfig
+    from training.losses import LossConfig, expected_tau
 
     device = task_device()
     dtype = torch_dtype(cfg.target.dtype) if device != "cpu" else None
@@ -296,8 +354,13 @@ def collect_all(cfg: RunConfig, names: Sequence[str], selection: HeldoutSelectio
     out = {}
     for name in names:
         model = eval_drafter(load_trained_drafter(cfg, name, target_dir), device, dtype)
-        out[name] = collect_confidence(model, heldout_batches(reader, selection, cfg.train.micro_batch_samples),
-                                       loss_cfg, seed=cfg.train.seed)
+        batches = heldout_batches(reader, selection, cfg.train.micro_batch_samples)
+        if cfg.train.drafters[name].confidence_calibration == "realised":
+            out[name] = realised_confidence(model, batches, sampling=model.config.confidence_sampling,
+                                            num_anchors=model.config.num_anchors, seed=cfg.train.seed)
+        else:
+            data = collect_confidence(model, batches, loss_cfg, seed=cfg.train.seed)
+            out[name] = data, float(expected_tau(data.y, data.valid).mean())
         del model
     return out
 
@@ -307,7 +370,8 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
 
     Returns:
         ``{"heldout_shards": [...], "samples_used", "samples_available", "drafters": {name: {"temperatures",
-        "global_temperature", "at_bounds", "num_blocks", "block_size", "heldout_tau_expected", "ece_before",
+        "global_temperature", "at_bounds", "num_blocks", "block_size", "label" (``"realised_acceptance"`` or
+        ``"expected_acceptance"``), "confidence_sampling" ({temperature, top_p, top_k}), "heldout_tau_expected", "ece_before",
         "ece_after", "ece_global", "samples_used", "samples_available"} |
         {"skipped": reason}}}`` with ECE lists per position on the report half (None where undefined); ``heldout_tau_expected`` is the mean over held-out blocks of
         ``1 + sum_j prod_{i<=j} c*_i`` (:func:`training.losses.expected_tau`). ``samples_used`` of the
@@ -322,7 +386,6 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.target_model.loader import resolve_target_path
     from pipeline.stages.train import expected_fingerprint
     from training.data import split_shards
-    from training.losses import expected_tau
     from training.sts import plot_reliability
 
     target_dir = resolve_target_path(cfg.target.path)
@@ -338,8 +401,11 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
         if not spec.confidence_head:
             summary["drafters"][name] = {"skipped": "no confidence head"}
             continue
-        data = sets[name]
-        report = {**calibrate_drafter(data, n_bins=cfg.calibrate.bins, grid_step=cfg.calibrate.grid_step), **sampled}
+        data, tau_expected = sets[name]
+        label = spec.confidence_calibration
+        report = {**calibrate_drafter(data, n_bins=cfg.calibrate.bins, grid_step=cfg.calibrate.grid_step, label=label),
+                  "confidence_sampling": dict(zip(("temperature", "top_p", "top_k"), confidence_sampling(spec, cfg))),
+                  **sampled}
         out = join(cfg.run_dir, "calibrate", name)
         write_json(join(out, "report.json"), report)
         save_confidence(join(out, "confidence.safetensors"), data)
@@ -350,7 +416,9 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
         summary["drafters"][name] = {
             "temperatures": report["temperatures"], "global_temperature": report["global_temperature"],
             "at_bounds": report["sts"]["at_bounds"], "num_blocks": data.num_blocks,
-            "block_size": data.z.shape[1], "heldout_tau_expected": float(expected_tau(data.y, data.valid).mean()),
+            "block_size": data.z.shape[1], "label": report["label"],
+            "confidence_sampling": report["confidence_sampling"],
+            "heldout_tau_expected": tau_expected,
             "ece_before": [p["before"]["ece"] for p in pos], "ece_after": [p["after"]["ece"] for p in pos],
             "ece_global": [p["global"]["ece"] for p in pos], **sampled}
         log.info("calibrate %s: %d blocks of %d/%d held-out samples, T=%s", name, data.num_blocks,

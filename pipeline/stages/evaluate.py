@@ -1,12 +1,19 @@
 """Evaluate stage: acceptance length (tau) of every trained drafter, against plain target decoding,
 plus static confidence thresholds and the hardware-aware scheduler simulated on measured costs.
 
+Every table is computed per sampling setting (``evaluate.sampling``, :func:`pipeline.config.evaluate_settings`:
+by default T = 0, T = 1 and the generate stage's own T / top-p / top-k); target and drafter
+distributions are truncated as vLLM does (:mod:`training.spec_sampling`). The scheduler runs on two
+cost curves: the SPS curve measured where the stage runs (``"cpu"`` on this machine) and the roofline
+model of Qwen3-4B on one H200 (``"h200_model"``, :func:`pipeline.inference.roofline.qwen3_4b_h200_curves`).
+
 Prompts come from ``data.eval_files`` through the same chat ingestion and rendering as the cache
 (same template and render options, reported in the summary). A prompt is a chat up to its first
 assistant turn.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -14,11 +21,12 @@ import numpy as np
 import torch
 
 from pipeline.chats.ingest import Chat, iter_chats
-from pipeline.config import RunConfig
+from pipeline.config import RunConfig, evaluate_settings
 from pipeline.chats.render import render_options, render_prompt, thinking_mode
 from pipeline.inference.speculate import (Decoded, device_generator, plain_decode, speculative_decode,
                                           threshold_policy)
 from pipeline.errors import PipelineError
+from pipeline.eval_report import write_bytes
 from storage import join, read_json
 from pipeline.paths import resolve_input
 
@@ -121,7 +129,8 @@ def block_level(cfg: RunConfig, drafters: dict[str, Any], target_dir: str, recor
                 ) -> dict[str, Any]:
     """Paired block-level speculative sampling of every drafter on the held-out cache shards
     (:func:`training.block_runner.evaluate_blocks`): the first ``evaluate.block_samples`` held-out
-    samples, ``evaluate.block_anchors`` anchors each, at ``evaluate.temperatures``; ``records`` collects
+    samples, ``evaluate.block_anchors`` anchors each, at every sampling setting
+    (:func:`pipeline.config.evaluate_settings`); ``records`` collects
     the per-block realised outcomes (``evaluate_blocks(records=...)``).
 
     Returns:
@@ -139,7 +148,7 @@ def block_level(cfg: RunConfig, drafters: dict[str, Any], target_dir: str, recor
                          cfg.train.validation_shards)
 
     batches = sample_batches(reader, split.heldout, cfg.train.micro_batch_samples, cfg.evaluate.block_samples)
-    tally = evaluate_blocks(drafters, batches, temperatures=cfg.evaluate.temperatures,
+    tally = evaluate_blocks(drafters, batches, temperatures=evaluate_settings(cfg),
                             num_anchors=cfg.evaluate.block_anchors, records=records,
                             chunk_blocks=cfg.evaluate.block_chunk)
     summary = summarise(tally, pairs=block_pairs(drafters))
@@ -155,13 +164,14 @@ def _global_temperature(cfg: RunConfig, name: str) -> float | None:
         return None
 
 
-def realised_calibration(cfg: RunConfig, configs: dict[str, Any], decoded: dict, block_records: dict, sps
-                         ) -> tuple[dict[str, Any], str]:
+def realised_calibration(cfg: RunConfig, configs: dict[str, Any], decoded: dict, block_records: dict, sps,
+                         model_curves: dict[int, Any] | None = None) -> tuple[dict[str, Any], str]:
     """Calibration on realised acceptance per drafter with a confidence head and temperature
     (:mod:`pipeline.inference.realised`): estimators fitted on the block-level outcomes of even held-out
     batches (without a block-level evaluation: on the decoding rounds of even prompts), reported on
-    the decoding rounds and on the odd batches; the scheduler simulation replays the decoding rounds.
-    Writes ``evaluate/reliability_<drafter>_T<T>.png``.
+    the decoding rounds and on the odd batches; the scheduler simulation replays the decoding rounds,
+    on ``sps`` and on ``model_curves`` (``{block size: {R: SPSCurve}}``, the H200 model) when given.
+    One result per sampling setting; writes ``evaluate/reliability_<drafter>_T<setting>.png``.
 
     Returns:
         ``({name: {"T=..": pipeline.inference.realised.compare result}}, markdown)``: the tables and, per drafter vLLM
@@ -177,20 +187,22 @@ def realised_calibration(cfg: RunConfig, configs: dict[str, Any], decoded: dict,
     for name, config in configs.items():
         if not config.confidence_head:
             continue
-        for T in ev.temperatures:
+        for T in evaluate_settings(cfg):
             key = f"T={T:g}"
             try:
                 decode = from_rounds(decoded[(key, name)])
             except ValueError:          # no round at all (every prompt stopped at once): nothing to score
                 continue
-            if (name, float(T)) in block_records:
-                fit, odd = from_records(block_records[(name, float(T))]).split()
+            if (name, T) in block_records:
+                fit, odd = from_records(block_records[(name, T)]).split()
                 reports = {"decoding": decode, "block level, odd batches": odd}
             else:
                 fit, odd = decode.split()
                 reports = {"decoding, odd prompts": odd}
+            curves = None if model_curves is None else model_curves[config.block_size]
             cmp = compare(fit, reports, sps, concurrency=ev.concurrency, export_temperature=_global_temperature(cfg, name),
-                          seed=ev.seed, n_bins=cfg.calibrate.bins)
+                          seed=ev.seed, n_bins=cfg.calibrate.bins, model_curves=curves,
+                          min_speedup=ev.scheduler_min_speedup)
             first = next(iter(reports.values()))
             plot_reliability(join(out_dir, f"reliability_{name}_T{T:g}.png"),
                              {e: conditional(p, first) for e, p in cmp["estimators"].items()}, first,
@@ -211,8 +223,9 @@ def realised_calibration(cfg: RunConfig, configs: dict[str, Any], decoded: dict,
 def evaluate_on_device(cfg: RunConfig) -> dict[str, Any]:
     """The part of the evaluate stage that runs models, where :func:`pipeline.stages.calibrate.task_device`
     says (a GPU in the stage's Ray task): the block-level evaluation (:func:`block_level`), the decoding
-    loop (plain and speculative, T in ``evaluate.temperatures``; generators on the target's device),
-    the thresholds and the SPS curve (profiled on that device unless ``evaluate.sps_table``). The
+    loop (plain and speculative, at every sampling setting of :func:`pipeline.config.evaluate_settings`;
+    generators on the target's device), the thresholds (at the last setting, by default the generate
+    stage's) and the SPS curve (profiled on that device unless ``evaluate.sps_table``). The
     target is loaded there in ``target.dtype``, the drafters in the same dtype on a GPU (float32 on
     the CPU, as before) with a tied ``lm_head`` held once (:func:`training.block_runner.eval_drafter`).
 
@@ -249,7 +262,8 @@ def evaluate_on_device(cfg: RunConfig) -> dict[str, Any]:
     common = {"max_new_tokens": ev.max_new_tokens, "stop_ids": stop, "device": model.device}
     results: dict[str, Any] = {}
     records: dict[str, Any] = {}
-    for T in ev.temperatures:
+    settings = evaluate_settings(cfg)
+    for T in settings:
         key = f"T={T:g}"
         base = _decode_all(lambda **kw: plain_decode(model, **kw), prompts, ev.seed, temperature=T, **common)
         base_tps = sum(len(d.tokens) for v in base.values() for d in v) / sum(d.seconds for v in base.values() for d in v)
@@ -263,7 +277,7 @@ def evaluate_on_device(cfg: RunConfig) -> dict[str, Any]:
             results[key]["drafters"][name] = {"overall": overall,
                                               "tasks": {t: round_metrics(v, gamma) for t, v in runs.items()}}
             records[(key, name)] = [d for v in runs.values() for d in v]
-    t_thr = max(ev.temperatures)
+    t_thr = settings[-1]
     thresholds = {}
     for name, drafter in drafters.items():
         if drafter.confidence_head is None:
@@ -283,18 +297,21 @@ def evaluate_on_device(cfg: RunConfig) -> dict[str, Any]:
 
 def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
     """``+stage=evaluate``: paired block-level tau on held-out cache blocks (:func:`block_level`),
-    then the decoding loop: tau tables (T in ``evaluate.temperatures``), thresholds, scheduler.
-    The models run in :func:`evaluate_on_device`, as one Ray task asking for ``evaluate.gpus`` GPUs and
-    ``evaluate.cpus`` CPUs (in this process when ``evaluate.gpus`` is 0:
-    :func:`pipeline.stages.calibrate.run_task`); this process writes the tables.
+    then the decoding loop: tau tables, thresholds, scheduler, per sampling setting
+    (:func:`pipeline.config.evaluate_settings`). The models run in :func:`evaluate_on_device`, as one
+    Ray task asking for ``evaluate.gpus`` GPUs and ``evaluate.cpus`` CPUs (in this process when
+    ``evaluate.gpus`` is 0: :func:`pipeline.stages.calibrate.run_task`); this process writes the tables.
 
     Writes ``<run_dir>/evaluate/`` ``block_table.md``, ``tau_table.md`` (each headed by the thinking
-    mode), ``tau.png``, ``acceptance.png``, ``sps.json``, and the calibration on realised acceptance
-    (:func:`realised_calibration`): ``calibration_table.md`` and ``reliability_<drafter>_T<T>.png``.
+    mode), ``tau.png``, ``acceptance.png``, ``sps.json``, the calibration on realised acceptance
+    (:func:`realised_calibration`): ``calibration_table.md`` and ``reliability_<drafter>_T<setting>.png``,
+    and ``confidence.json`` (:func:`confidence_summary`). The scheduler runs on the measured SPS curve
+    (``"cpu"``) and on the H200 roofline model of Qwen3-4B (``"h200_model"``) over ``evaluate.concurrency``.
     Prompts are rendered in ``data.render.enable_thinking``'s mode, the drafters' own (a drafter of
     another mode is refused).
     """
     from pipeline.eval_report import plot_acceptance, tau_table, write_text
+    from pipeline.inference.roofline import qwen3_4b_h200_curves
     from pipeline.inference.scheduler import simulate
     from pipeline.stages.calibrate import run_task
 
@@ -307,21 +324,99 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
         write_text(join(out_dir, "block_table.md"), mode + blocks["table"])
         print(mode + blocks["table"], flush=True)
     sps.save(join(out_dir, "sps.json"))
-    t_thr = max(ev.temperatures)
-    scheduler = {}
-    for name in run["configs"]:
-        outcomes, conf = _block_records(records[(f"T={t_thr:g}", name)], _temperatures(cfg, name))
-        if len(outcomes):
-            scheduler[name] = simulate(outcomes, conf, sps, concurrency=ev.concurrency, seed=ev.seed)
+    model_curves = {g: qwen3_4b_h200_curves(ev.concurrency, block_size=g)
+                    for g in {c.block_size for c in run["configs"].values()}}
+    scheduler: dict[str, dict] = {}
+    for T in evaluate_settings(cfg):
+        for name, config in run["configs"].items():
+            outcomes, conf = _block_records(records[(f"T={T:g}", name)], _temperatures(cfg, name))
+            if len(outcomes):
+                scheduler.setdefault(f"T={T:g}", {})[name] = {
+                    curve: simulate(outcomes, conf, c, concurrency=ev.concurrency, seed=ev.seed,
+                                    min_speedup=ev.scheduler_min_speedup)
+                    for curve, c in (("cpu", sps), ("h200_model", model_curves[config.block_size]))}
     table = mode + tau_table(results, scheduler)
     write_text(join(out_dir, "tau_table.md"), table)
     plot_acceptance(results, join(out_dir, "acceptance.png"), join(out_dir, "tau.png"))
     print(table, flush=True)
-    realised, realised_md = realised_calibration(cfg, run["configs"], records, run["block_records"], sps)
+    realised, realised_md = realised_calibration(cfg, run["configs"], records, run["block_records"], sps,
+                                                 model_curves)
     write_text(join(out_dir, "calibration_table.md"), realised_md)
     print(realised_md, flush=True)
+    confidence = confidence_summary(cfg, run["configs"], realised, results, blocks)
+    if confidence is not None:
+        write_bytes(join(out_dir, "confidence.json"), json.dumps(confidence, indent=1).encode())
     return {"blocks": blocks, "realised": realised, "prompts": run["prompts"], "tasks": run["tasks"],
             "render_options": render_options(cfg.data.render), "enable_thinking": cfg.data.render.enable_thinking,
             "results": results, "thresholds": run["thresholds"], "scheduler": scheduler,
+            "settings": [T.to_dict() for T in evaluate_settings(cfg)], "confidence": confidence,
             "sps": {"batch_tokens": sps.batch_tokens.tolist(), "steps_per_s": sps.steps_per_s.tolist(),
                     "source": ev.sps_table or "profiled on this machine"}}
+
+
+def shipped_drafter(configs: dict[str, Any]) -> str | None:
+    """The drafter the product ships: the first with a confidence head in the DSpark export
+    architecture, else the first with a confidence head; None without one."""
+    from pipeline.stages.export_format import DSPARK_ARCH, ExportError, architecture
+
+    headed = [n for n, c in configs.items() if c.confidence_head]
+    for name in headed:
+        try:
+            if architecture(configs[name]) == DSPARK_ARCH:
+                return name
+        except ExportError:
+            continue
+    return headed[0] if headed else None
+
+
+def confidence_summary(cfg: RunConfig, configs: dict[str, Any], realised: dict[str, Any],
+                       results: dict[str, Any], blocks: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``confidence.json``: per sampling setting, the shipped drafter's (:func:`shipped_drafter`)
+    estimators scored on the decoding rounds of the held-out prompts (AUC and equal-mass ECE of
+    survival per position k = 1..gamma), the scheduler's tokens/s over the best fixed block per R
+    driven by the shipped estimator (``export``, the calibrate stage's folded temperature, what vLLM
+    gets; ``raw`` without a calibrate report) on the measured curve (``"cpu"``) and the H200 model
+    (``"h200_model"``), and decoding-loop tau beside block-level tau.
+
+    Returns:
+        ``{"drafter", "scored_on", "settings": [{"temperature", "top_p", "top_k", "shipped", "scored_on"
+        (the report set: ``"decoding"``, or ``"decoding, odd prompts"`` without a block-level evaluation),
+        "rounds", "estimators": {name: {"auc": [gamma], "ece": [gamma]}}, "scheduler": {"cpu": {R:
+        ratio}, "h200_model": {R: ratio}}, "scheduler_production": {...} (two-step lag), "scheduler_algorithm1": {...} (DSpark
+        Algorithm 1 without the fixed-block fallback), "scheduler_by_estimator":
+        {name: {"cpu": {R: ratio}, "h200_model": {R: ratio}}}, "tau": {"decoding", "decoding_se",
+        "block", "block_se"}}]}`` (estimator names with ``_`` for spaces and dashes: ``max_q``); None
+        when no drafter has a confidence head.
+    """
+    name = shipped_drafter(configs)
+    if name is None or name not in realised:
+        return None
+    settings = []
+    for T in evaluate_settings(cfg):
+        key = f"T={T:g}"
+        cmp = realised[name].get(key)
+        if cmp is None:
+            continue
+        scored_on, decoding = next(iter(cmp["metrics"].items()))   # "decoding" (or its odd prompts)
+        est = {e.replace("-", "_").replace(" ", "_"): {"auc": [p["auc"] for p in m], "ece": [p["ece_mass"] for p in m]}
+               for e, m in decoding.items() if e != "blocks"}
+        shipped = "export" if "export" in cmp["estimators"] else "raw"
+        sims = {"cpu": cmp["simulation"], "h200_model": cmp.get("simulation_h200_model", {})}
+        by_est = {e.replace("-", "_").replace(" ", "_"): {c: {R: v["ratio"] for R, v in sim[e].items()}
+                                                          for c, sim in sims.items() if e in sim}
+                  for e in cmp["estimators"]}
+        overall = results[key]["drafters"][name]["overall"]
+        block = (blocks or {}).get("drafters", {}).get(name, {}).get(T)
+        settings.append({**T.to_dict(), "shipped": shipped, "scored_on": scored_on, "rounds": decoding["blocks"],
+                         "estimators": est,
+                         "scheduler": by_est[shipped],
+                         "scheduler_production": {c: {R: v["ratio_production"] for R, v in sim[shipped].items()}
+                                                  for c, sim in sims.items() if shipped in sim},
+                         "scheduler_algorithm1": {c: {R: v["ratio_algorithm1"] for R, v in sim[shipped].items()}
+                                                  for c, sim in sims.items() if shipped in sim},
+                         "scheduler_by_estimator": by_est,
+                         "tau": {"decoding": overall.get("tau"), "decoding_se": overall.get("tau_se"),
+                                 "block": None if block is None else block["tau"],
+                                 "block_se": None if block is None else block["tau_se"]}})
+    return {"drafter": name, "scored_on": "decoding rounds of the held-out prompts (data.eval_files)",
+            "settings": settings}
