@@ -17,10 +17,11 @@ could not give. Per sampling setting s (``--settings``, "T[,top_p,top_k]"):
    prompts fit every calibrator (STS, Platt for max-q), odd prompts report AUC and equal-mass ECE of
    the survival ``a_k = prod_{i<=k} c_i`` per position k (:func:`pipeline.inference.realised.metrics`).
 
-Candidates (rows): ``shipped`` (the trained head), ``refit c*(T=1)`` (the same head refitted here:
+Candidates (rows): ``trained`` (the trained head), ``calibrate refit`` (the head calibrate's on-policy
+refit put in place, :mod:`training.confidence_refit`, if it adopted one), ``refit c*(T=1)`` (the same head refitted here:
 the check that a refit reproduces training), ``matched c*(s)`` (temperature-matched labels),
 ``+stats`` (the free inputs: max q, entropy, position), ``on-policy`` (rollout labels), max-q
-(Platt), and item 3: the shipped head with the global temperature vLLM gets folded in, fitted on
+(Platt), and item 3: the trained head with the global temperature vLLM gets folded in, fitted on
 teacher-forced ``c*`` (the old calibrate) or on realised acceptance at s of held-out cache blocks
 (the new default, :func:`pipeline.stages.calibrate.realised_confidence`).
 
@@ -47,6 +48,7 @@ from pipeline.stages.evaluate import eval_prompts
 from pipeline.target_model.loader import load_target, resolve_target_path
 from pipeline.target_model.prefill import LayerTap
 from training.blocks import collate_samples
+from training.confidence_refit import fit_logistic, reached_rows
 from training.losses import LossConfig, confidence_labels, position_weights
 from training.spec_sampling import Sampling
 from training.sts import fit_global_temperature, fit_temperatures
@@ -135,34 +137,17 @@ def decode_rounds(model, drafter, tap, prompts, setting, *, max_new_tokens: int,
             "group": torch.tensor([x[0] for x in rows])}
 
 
-def fit_logistic(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, l2: float = 1e-4):
-    """Weighted logistic regression on soft labels (the head's BCE), features standardised; returns a scorer."""
-    mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
-    xs = ((x - mu) / sd).double()
-    theta = torch.zeros(x.shape[1] + 1, dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([theta], lr=1.0, max_iter=300, line_search_fn="strong_wolfe")
-    y64, w64 = y.double(), w.double() / w.sum()
-
-    def closure():
-        opt.zero_grad()
-        logit = xs @ theta[:-1] + theta[-1]
-        loss = (w64 * F.binary_cross_entropy_with_logits(logit, y64, reduction="none")).sum() + l2 * theta[:-1].pow(2).sum()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    th = theta.detach()
-    return lambda xn: (((xn - mu) / sd).double() @ th[:-1] + th[-1])
+def fit_scorer(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, l2: float = 1e-4):
+    """The head's logistic model fitted on ``x`` (soft labels ``y``, row weights ``w``): a scorer."""
+    wt, b = fit_logistic(x, y, l2, w)
+    return lambda xn: xn.double() @ wt + b
 
 
 def rollout_training_rows(r: dict, kind: str):
-    """On-policy head data from decoding rounds: slot k of a round where it was reached (``accepted >=
-    k - 1``, ``k <= verified``), label ``1[accepted >= k]``."""
+    """On-policy head data from decoding rounds (:func:`training.confidence_refit.reached_rows`)."""
     g = r["h"].shape[1]
-    k = torch.arange(g)
-    reached = (r["accepted"][:, None] >= k) & (r["verified"][:, None] > k)
-    x = features(r["h"], r["e"], r["stats"], r["slot"], g, kind)[reached]
-    y = (r["accepted"][:, None] > k).expand_as(reached)[reached].float()
+    x = features(r["h"], r["e"], r["stats"], r["slot"], g, kind)
+    x, y, _, _ = reached_rows(x, r["accepted"], r["verified"])
     return x, y
 
 
@@ -216,6 +201,7 @@ def main() -> None:
 
     target_dir = resolve_target_path(cfg.target.path)
     drafter = load_trained_drafter(cfg, args.drafter, target_dir).eval()
+    refitted = load_trained_drafter(cfg, args.drafter, target_dir, calibrated=True).confidence_head
     model, tok, _ = load_target(cfg.target, "cpu")
     tap = LayerTap(model, cfg.target.target_layer_ids)
     stop = {tok.eos_token_id, *np.atleast_1d(model.generation_config.eos_token_id or []).tolist()} - {None}
@@ -251,32 +237,34 @@ def main() -> None:
         T_real = fit_global_temperature(real_set.z, real_set.y, real_set.valid, n_bins=cfg.calibrate.bins)
         sts_real = fit_temperatures(real_set.z, real_set.y, real_set.valid, n_bins=cfg.calibrate.bins)
         sts_exp = fit_temperatures(expected_set.z, expected_set.y, expected_set.valid, n_bins=cfg.calibrate.bins)
-        cands: dict[str, torch.Tensor] = {"shipped": rounds["z"]}
+        cands: dict[str, torch.Tensor] = {"trained": rounds["z"]}
+        with torch.no_grad():  # the head calibrate refitted on held-out prompts (the trained one if it kept that)
+            cands["calibrate refit"] = refitted(features(rounds["h"], rounds["e"], None, None, gamma, "base"), None).double()
         for kind in ("base", "stats"):
             xt = features(train["h"], train["e"], train["stats"], train["slot"], gamma, kind)
             xr = features(rounds["h"], rounds["e"], rounds["stats"], rounds["slot"], gamma, kind)
             tag = "" if kind == "base" else " +stats"
-            cands[f"refit c*(T=1){tag}"] = fit_logistic(xt, train["labels"]["1"], w_train)(xr)
+            cands[f"refit c*(T=1){tag}"] = fit_scorer(xt, train["labels"]["1"], w_train)(xr)
             if lab_key != "1":
-                cands[f"matched c*({key}){tag}"] = fit_logistic(xt, train["labels"][lab_key], w_train)(xr)
+                cands[f"matched c*({key}){tag}"] = fit_scorer(xt, train["labels"][lab_key], w_train)(xr)
             for other in train["labels"]:
                 if other not in ("1", lab_key):   # labels of another setting: one head served at several
-                    cands[f"cross c*({other}){tag}"] = fit_logistic(xt, train["labels"][other], w_train)(xr)
+                    cands[f"cross c*({other}){tag}"] = fit_scorer(xt, train["labels"][other], w_train)(xr)
             if roll is not None:
                 xo, yo = rollout_training_rows(roll, kind)
-                cands[f"on-policy{tag}"] = fit_logistic(xo, yo, torch.ones_like(yo))(xr)
+                cands[f"on-policy{tag}"] = fit_scorer(xo, yo, torch.ones_like(yo))(xr)
         table = {}
         for name, z in cands.items():
             table[name] = judge(rounds, z)
         data = outcomes(rounds, rounds["z"])
         rep = data.split()[1]
-        table["shipped"]["export T on c* (old)"] = metrics(conditional({"T": [T_expected] * gamma}, rep), rep)
-        table["shipped"]["export T realised (new)"] = metrics(conditional({"T": [T_real] * gamma}, rep), rep)
-        table["shipped"]["STS on c* (old)"] = metrics(conditional({"T": sts_exp.tolist()}, rep), rep)
-        table["shipped"]["STS realised (new)"] = metrics(conditional({"T": sts_real.tolist()}, rep), rep)
+        table["trained"]["export T on c* (old)"] = metrics(conditional({"T": [T_expected] * gamma}, rep), rep)
+        table["trained"]["export T realised (new)"] = metrics(conditional({"T": [T_real] * gamma}, rep), rep)
+        table["trained"]["STS on c* (old)"] = metrics(conditional({"T": sts_exp.tolist()}, rep), rep)
+        table["trained"]["STS realised (new)"] = metrics(conditional({"T": sts_real.tolist()}, rep), rep)
         results[key] = {"rounds": data.num_blocks, "report_rounds": rep.num_blocks, "rollout_rounds": 0 if roll is None else roll["h"].shape[0],
                         "global_T_expected": T_expected, "global_T_realised": T_real, "table": table}
-        maxq_auc, maxq_ece, maxq_ma, maxq_me = summary(table["shipped"]["max-q"])
+        maxq_auc, maxq_ece, maxq_ma, maxq_me = summary(table["trained"]["max-q"])
         print(f"\n== setting {key}: {data.num_blocks} decoding rounds of held-out prompts, {rep.num_blocks} reported "
               f"(odd prompts); calibrators fitted on even prompts; tau {float((data.accepted + 1).double().mean()):.3f}")
         print(f"{'estimator':44s} | " + " | ".join(f"k={k + 1} AUC/ECE" for k in range(gamma))

@@ -240,7 +240,8 @@ def overrides(out: Path, layer_ids: Sequence[int], scale: Scale) -> list[str]:
             "train.micro_batch_samples=2", f"train.max_steps={scale.steps}", f"train.num_anchors={scale.anchors}",
             "train.heldout_shards=1", f"++train.drafters.dflash={DFLASH_DRAFTER}",
             "train.validation_shards=0", f"train.checkpoint_every_steps={scale.steps}", "train.keep_checkpoints=1",
-            f"calibrate.max_samples={scale.calibrate_samples}",
+            f"calibrate.max_samples={scale.calibrate_samples}", "calibrate.refit_prompts=4",
+            f"calibrate.refit_max_new_tokens={scale.eval_new_tokens}",
             f"evaluate.num_prompts={scale.eval_prompts}", f"evaluate.max_new_tokens={scale.eval_new_tokens}",
             "evaluate.temperatures=[0.0]", "evaluate.block_samples=4", "evaluate.block_anchors=8",
             "evaluate.concurrency=[1,4]", "ray.num_cpus=2", *cpu_task_overrides()]

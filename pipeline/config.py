@@ -210,6 +210,7 @@ class CacheConfig:
     cpus_per_worker: float = 1.0  # logical CPUs of each actor: its prefill and its overlapped shard write
     storage_budget_bytes: Optional[int] = None  # refuse to start when the estimate exceeds it
     max_rows: Optional[int] = None
+    shard_delay_s: float = 0.0  # artificial pause per shard, in its prefill (fault tests and benchmarks)
 
 
 CONFIDENCE_CALIBRATIONS = ("realised", "expected")  # DrafterSpec.confidence_calibration
@@ -307,6 +308,12 @@ class CalibrateConfig:
     # the Ray task that runs the drafters asks for these (pipeline.stages.calibrate.run_task); gpus 0 = in the driver
     gpus: float = 0
     cpus: float = 1
+    # on-policy refit of the confidence head (training.confidence_refit) before STS: the drafter decodes
+    # the prompts of the first refit_prompts held-out samples with the target, at the head's
+    # confidence_temperature setting, and the head is refitted on the realised acceptance of its own
+    # drafts; adopted only if it ranks held-out prompts' slots better (AUC) than the trained head. 0 = off
+    refit_prompts: int = 64
+    refit_max_new_tokens: int = 64
 
 
 @dataclass
@@ -397,6 +404,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.data.min_loss_tokens >= 1, "data.min_loss_tokens",
            f"must be >= 1 (got {cfg.data.min_loss_tokens})")
     _check(cfg.cache.rows_per_shard >= 1, "cache.rows_per_shard", "must be >= 1")
+    _check(cfg.cache.shard_delay_s >= 0, "cache.shard_delay_s", "must be >= 0 seconds")
     _check(cfg.cache.cpus_per_worker > 0, "cache.cpus_per_worker", f"must be > 0 (got {cfg.cache.cpus_per_worker})")
     gen = cfg.generate
     _check(gen.rows_per_shard >= 1, "generate.rows_per_shard", "must be >= 1")
@@ -467,6 +475,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(0 < cfg.calibrate.grid_step < 1, "calibrate.grid_step", "must be in (0, 1)")
     _check(cfg.calibrate.max_samples is None or cfg.calibrate.max_samples >= 1, "calibrate.max_samples",
            f"must be >= 1 held-out samples, or null to use all (got {cfg.calibrate.max_samples})")
+    _check(cfg.calibrate.refit_prompts == 0 or cfg.calibrate.refit_prompts >= 4, "calibrate.refit_prompts",
+           f"must be 0 (no on-policy refit) or >= 4 prompts (got {cfg.calibrate.refit_prompts})")
+    _check(cfg.calibrate.refit_max_new_tokens >= 2, "calibrate.refit_max_new_tokens", "must be >= 2 tokens")
     _check(cfg.evaluate.sampling is None or cfg.evaluate.temperatures is None, "evaluate.temperatures",
            "is the deprecated form of evaluate.sampling: set only evaluate.sampling, e.g. "
            "evaluate.sampling='[{temperature: 0.7, top_p: 0.8, top_k: 20}]'")

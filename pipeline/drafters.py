@@ -9,7 +9,8 @@ from pipeline.config import DrafterSpec, RunConfig, SequentialHead, confidence_s
 from pipeline.errors import MissingStageOutputError
 from storage import join
 
-__all__ = ["drafter_config", "build_drafter", "load_trained_drafter"]
+__all__ = ["drafter_config", "build_drafter", "load_trained_drafter", "head_digest", "calibrated_head_url",
+           "save_calibrated_head", "apply_calibrated_head"]
 
 
 def drafter_config(spec: DrafterSpec, cfg: RunConfig):
@@ -33,9 +34,11 @@ def build_drafter(spec: DrafterSpec, cfg: RunConfig, target_dir: str, d2t: torch
     return build_drafter_from(drafter_config(spec, cfg), target_dir, d2t)
 
 
-def load_trained_drafter(cfg: RunConfig, name: str, target_dir: str):
+def load_trained_drafter(cfg: RunConfig, name: str, target_dir: str, *, calibrated: bool = False):
     """The drafter ``name`` of ``cfg.run_dir`` with the weights of its newest committed checkpoint,
-    built from the model config that checkpoint records (eval mode).
+    built from the model config that checkpoint records (eval mode); with ``calibrated``, the confidence
+    head that calibrate refitted on the drafter's own rounds put in where calibrate adopted one
+    (:func:`apply_calibrated_head`: what export ships and evaluate judges).
 
     Raises:
         MissingStageOutputError (a FileNotFoundError): no committed checkpoint under
@@ -43,6 +46,7 @@ def load_trained_drafter(cfg: RunConfig, name: str, target_dir: str):
         CheckpointError: the run config disagrees with the recorded model or with the thinking mode
             (``data.render.enable_thinking``) of the cache it was trained on (the field, both values and
             the fix are named), or the checkpoint is damaged.
+        StaleStageOutputError: ``calibrated`` and calibrate's head was refitted from another checkpoint.
     """
     from training.loop import load_checkpoint_drafter
 
@@ -51,4 +55,67 @@ def load_trained_drafter(cfg: RunConfig, name: str, target_dir: str):
     if model is None:
         raise MissingStageOutputError(f"no committed checkpoint for drafter {name!r} under {cfg.run_dir}/train/{name}: "
                                       "run +stage=train first")
+    if calibrated:
+        apply_calibrated_head(model, calibrated_head_url(cfg, name))
     return model
+
+
+def head_digest(model) -> str:
+    """SHA-256 (hex) of the confidence head's parameters as float32 bytes (``proj.weight`` then
+    ``proj.bias``): which trained head a refitted one replaces."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in (model.confidence_head.proj.weight, model.confidence_head.proj.bias):
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def calibrated_head_url(cfg: RunConfig, name: str) -> str:
+    """``<run_dir>/calibrate/<name>/confidence_head.safetensors``: the refitted head calibrate adopted."""
+    return join(cfg.run_dir, "calibrate", name, "confidence_head.safetensors")
+
+
+def save_calibrated_head(url: str, weight: torch.Tensor, bias: torch.Tensor, replaces: str) -> None:
+    """Write a refitted head: ``proj.weight`` [1, D] and ``proj.bias`` [1] float32, with the
+    :func:`head_digest` of the trained head it replaces in the metadata (``replaces``)."""
+    from safetensors.torch import save
+
+    from storage import filesystem
+
+    fs, path = filesystem(url)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, save({"proj.weight": weight.float().contiguous(), "proj.bias": bias.float().contiguous()},
+                            metadata={"replaces": replaces}))
+
+
+def apply_calibrated_head(model, url: str) -> bool:
+    """Put the head at ``url`` (:func:`save_calibrated_head`) into ``model``'s confidence head; False
+    (the model unchanged) when there is none there.
+
+    Raises:
+        StaleStageOutputError: the file replaces another trained head than ``model``'s (the drafter was
+            retrained after calibrate): rerun +stage=calibrate.
+    """
+    import json
+    import struct
+
+    from safetensors.torch import load
+
+    from pipeline.errors import StaleStageOutputError
+    from storage import filesystem
+
+    fs, path = filesystem(url)
+    if model.confidence_head is None or not fs.exists(path):
+        return False
+    raw = fs.cat_file(path)
+    tensors = load(raw)
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])  # the safetensors layout: u64 length, JSON
+    if header.get("__metadata__", {}).get("replaces") != head_digest(model):
+        raise StaleStageOutputError(f"{url}: this refitted confidence head was fitted for another checkpoint of the "
+                                    "drafter (it was retrained since): rerun +stage=calibrate")
+    proj = model.confidence_head.proj
+    with torch.no_grad():
+        proj.weight.copy_(tensors["proj.weight"].to(proj.weight))
+        proj.bias.copy_(tensors["proj.bias"].to(proj.bias))
+    return True

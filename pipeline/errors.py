@@ -26,3 +26,8 @@ class ShardPlanMismatchError(PipelineError):
 
 class MissingStageOutputError(PipelineError, FileNotFoundError):
     """A stage needs what an earlier stage writes (e.g. a committed drafter checkpoint) and it is absent."""
+
+
+class StaleStageOutputError(PipelineError):
+    """What an earlier stage wrote belongs to an older state of the run (e.g. calibrate's refitted
+    confidence head of a drafter retrained since): rerun that stage."""

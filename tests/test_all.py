@@ -32,7 +32,7 @@ REDUCED = ["generate.max_rows=48", "generate.rows_per_shard=16", "generate.max_n
            "train.micro_batch_samples=4", "train.checkpoint_every_steps=10",
            "train.drafters.dflash.block_size=4", "train.drafters.dspark.block_size=4",
            "train.drafters.dspark.markov_rank=16", "evaluate.num_prompts=4", "evaluate.max_new_tokens=24",
-           "evaluate.concurrency=[1,8]", "evaluate.thresholds=[0.5]",
+           "evaluate.concurrency=[1,8]", "evaluate.thresholds=[0.5]", "calibrate.refit_max_new_tokens=24",
            # 6 optimizer steps: Muon (the tiny recipe's, tuned for thousands of steps) leaves DFlash
            # where it starts (held-out tau_expected 1.02, greedy block tau 1.000; AdamW: 1.77), so this
            # pipeline check trains on AdamW; Muon end to end is tests/test_features.py's
@@ -88,6 +88,9 @@ def test_all_stages_on_s3(tmp_path, s3_url):
                for x in confidence["settings"])
     ece = s["calibrate"]["drafters"]["dspark"]
     assert len(ece["temperatures"]) == 4 and all(t > 0 for t in ece["temperatures"])
+    refit = ece["refit"]  # the 16 held-out samples' prompts decoded by the drafter; its head adopted, or the reason
+    assert refit["prompts"] == 16 and ("skipped" in refit or refit["slots"] > 0)
+    assert fs.exists(join(run_dir, "calibrate", "dspark", "confidence_head.safetensors")) == refit["adopted"]
 
     for name in ("dflash", "dspark"):
         export = s["export"]["drafters"][name]["path"]

@@ -155,7 +155,8 @@ def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, t
     write_chats(data, 80)
     cfg = _cfg(tiny_target_dir, tmp_path / "run", data, "train.max_steps=6", "train.checkpoint_every_steps=100",
                "++train.drafters.dflash={num_layers: 1, block_size: 7, sample_from_anchor: true, mask_token_id: 5, "
-               "head: none, markov_rank: 0, confidence_head: false}", "calibrate.bins=10")
+               "head: none, markov_rank: 0, confidence_head: false}", "calibrate.bins=10",
+               "calibrate.refit_prompts=12", "calibrate.refit_max_new_tokens=32")
     run_cache(cfg)
     run_train(cfg)
     summary = run_calibrate(cfg)
@@ -177,6 +178,12 @@ def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, t
     assert s["block_size"] == 7 and 1.0 < s["heldout_tau_expected"] < 8.0
     assert (out / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert saved.num_blocks == s["num_blocks"]
+    # the on-policy refit: the drafter's own decoding rounds on the first 12 held-out samples' prompts
+    refit = s["refit"]
+    assert refit == report["refit"] and refit["prompts"] == 12 and refit["slots"] > refit["accepted_slots"] > 0
+    assert refit["adopted"] == (refit["heldout_auc"]["refit"] > refit["heldout_auc"]["trained"])
+    head_file = out / "confidence_head.safetensors"
+    assert head_file.exists() == refit["adopted"]
 
     exported = run_export(cfg)
     assert "sample_from_anchor=false" in exported["skipped"]["dflash"]
@@ -190,3 +197,10 @@ def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, t
         assert conf["confidence_temperatures"] == pytest.approx([t / e["folded_temperature"] for t in T])
     assert e["ece_sts"] == s["ece_after"] and len(e["ece_vllm"]) == 7 and not any(map(math.isnan, e["ece_vllm"]))
     assert Path(e["path"], "model.safetensors").stat().st_size == e["bytes"]
+    if refit["adopted"]:  # export ships the refitted head (scaled by the folded temperature, if folded)
+        from safetensors.torch import load_file
+
+        head, shipped = load_file(head_file), load_file(Path(e["path"], "model.safetensors"))
+        fold = e["folded_temperature"] if e["confidence"] == "folded" else 1.0
+        key = next(k for k in shipped if k.endswith("proj.weight") and "confidence" in k)
+        torch.testing.assert_close(shipped[key].float() * fold, head["proj.weight"], rtol=1e-2, atol=1e-3)

@@ -152,6 +152,22 @@ def test_greedy_draft_is_one_hot_and_reproducible(tiny_qwen3, drafter_samples):
     assert torch.equal(d.draft_block(ctx, 7, 0.8, g1).tokens, d.draft_block(ctx, 7, 0.8, g2).tokens)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_drafted_blocks_carry_the_confidence_heads_exact_inputs(tiny_qwen3, drafter_samples, temperature):
+    """``DraftResult.confidence_input`` is ``[h_k ; W1[x_{k-1}]]`` with the drafted previous tokens (the
+    anchor first): the head on it gives the block's confidence logits (what the on-policy refit fits)."""
+    d = _drafter(tiny_qwen3).eval()
+    ctx = d.encode_context(drafter_samples[0]["features"][:12])
+    r = d.draft_block(ctx, 7, temperature, torch.Generator().manual_seed(3))
+    H = tiny_qwen3.config.hidden_size
+    assert r.confidence_input.shape == (4, H + 8)
+    prev = torch.cat([torch.tensor([7]), r.tokens[:-1]])
+    assert torch.equal(r.confidence_input[:, H:], d.markov_head.embed(prev))
+    assert torch.allclose(d.confidence_head(r.confidence_input, None), r.confidence_logits, atol=1e-6)
+    plain = _drafter(tiny_qwen3, markov_rank=0).eval()
+    assert plain.draft_block(ctx, 7, temperature, torch.Generator().manual_seed(3)).confidence_input.shape == (4, H)
+
+
 def test_reduced_draft_vocabulary_is_fixed_across_resume(tiny_qwen3, drafter_samples):
     counts = count_supervised_tokens(((s["input_ids"], s["loss_mask"]) for s in drafter_samples), 512)
     d2t = build_d2t(counts, 32)

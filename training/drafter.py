@@ -181,12 +181,16 @@ class DraftResult:
         max_q: [gamma] float32, the largest draft probability of each slot (the feature of the max-q
             acceptance estimator, :mod:`training.maxq`): of ``q`` at T > 0, of ``softmax`` of the
             unscaled logits at T = 0 (where ``q`` is one-hot).
+        confidence_input: [gamma, D] the confidence head's input ``[h_k ; W1[x_{k-1}]]`` of each slot
+            (``x_{k-1}`` the drafted token), in the drafter's dtype, or None (no head): what the on-policy
+            refit of the head fits on (:mod:`training.confidence_refit`).
     """
 
     tokens: torch.Tensor
     q: torch.Tensor
     confidence_logits: torch.Tensor | None
     max_q: torch.Tensor | None = None
+    confidence_input: torch.Tensor | None = None
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -560,7 +564,10 @@ class Drafter(nn.Module):
         if self.draft_to_target is not None:
             full = q.new_zeros(1, gamma, self.embed_tokens.num_embeddings)
             q = full.index_copy_(2, self.draft_to_target, q)
-        return DraftResult(tokens[0], q[0], None if conf is None else conf[0], max_q[0].float())
+        head_in = None
+        if conf is not None:
+            head_in = h[0] if self.markov_head is None else torch.cat([h[0], self.markov_head.embed(prev[0]).to(h.dtype)], -1)
+        return DraftResult(tokens[0], q[0], None if conf is None else conf[0], max_q[0].float(), head_in)
 
     def _unscaled_max_q(self, base: torch.Tensor, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """``max softmax(U_k + B_k(x_<k))`` per slot [1, gamma]: the head's biases replayed on the drawn

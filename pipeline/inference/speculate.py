@@ -50,7 +50,8 @@ def threshold_policy(threshold: float, temperatures: Sequence[float] | None) -> 
 class Round:
     """One speculation round: drafted ``gamma``, verified ``verified``, accepted ``accepted``
     (emitted = accepted + 1), the drafter's confidence logits, the seconds spent and the largest draft
-    probability per slot (``DraftResult.max_q``)."""
+    probability per slot (``DraftResult.max_q``); the confidence head's inputs [gamma, D] only when
+    :func:`speculative_decode` was asked to keep them (``DraftResult.confidence_input``)."""
 
     gamma: int
     verified: int
@@ -59,6 +60,7 @@ class Round:
     draft_s: float
     verify_s: float
     max_q: list[float] | None = None
+    confidence_input: torch.Tensor | None = None
 
 
 @dataclass
@@ -134,7 +136,7 @@ def plain_decode(model, prompt: Sequence[int], *, max_new_tokens: int, temperatu
 
 def speculative_decode(model, drafter, prompt: Sequence[int], *, tap: LayerTap,
                        max_new_tokens: int, temperature: float, stop_ids: set[int], generator: torch.Generator,
-                       policy: VerifyPolicy = full_block) -> Decoded:
+                       policy: VerifyPolicy = full_block, keep_confidence_inputs: bool = False) -> Decoded:
     """Speculative decoding of one prompt (see module docstring).
 
     Args:
@@ -144,6 +146,8 @@ def speculative_decode(model, drafter, prompt: Sequence[int], *, tap: LayerTap,
         temperature: the sampling setting of both target and drafter: T >= 0, or a
             :class:`training.spec_sampling.Sampling` (T, top-p, top-k). stop_ids: end-of-turn / eos ids.
         policy: verified length from the confidences (fixed gamma by default).
+        keep_confidence_inputs: keep each round's confidence-head inputs (``Round.confidence_input``, on
+            the CPU: gamma x D values per round), for the on-policy refit of the head.
 
     Returns:
         :class:`Decoded` with at most ``max_new_tokens`` tokens and one :class:`Round` per round.
@@ -171,7 +175,8 @@ def speculative_decode(model, drafter, prompt: Sequence[int], *, tap: LayerTap,
         ctx = drafter.encode_context(feats[: 1 + accepted].to(drafter.fc.weight.dtype), ctx)
         conf = None if draft.confidence_logits is None else draft.confidence_logits.float().tolist()
         max_q = None if draft.max_q is None else draft.max_q.float().tolist()
-        rounds.append(Round(gamma, n_verify, accepted, conf, t1 - t0, time.perf_counter() - t1, max_q))
+        head_in = draft.confidence_input.cpu() if keep_confidence_inputs and draft.confidence_input is not None else None
+        rounds.append(Round(gamma, n_verify, accepted, conf, t1 - t0, time.perf_counter() - t1, max_q, head_in))
         for tok in emitted:
             out.append(tok)
             if tok in stop_ids or len(out) >= max_new_tokens:

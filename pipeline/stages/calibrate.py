@@ -26,8 +26,16 @@ blocks (:func:`realised_confidence`, the block-level evaluation's
 decoding loop realises (docs/results.md: a head calibrated on ``c*`` is over-confident on decoding
 rounds).
 
+The on-policy refit (first, ``calibrate.refit_prompts`` > 0): the drafter decodes the prompts of the
+first held-out samples with the target at its head's setting, and its head is refitted on the realised
+acceptance of its own drafts (:mod:`training.confidence_refit`; teacher forcing is why the trained head
+ranks decoding rounds worse than max-q: docs/confidence.md). It is adopted when it ranks the odd
+prompts' slots better than the trained head; STS then calibrates whichever head is kept.
+
 Outputs under ``<run_dir>/calibrate/<drafter>/``: ``report.json`` (temperatures; ECE, Brier and AUC
-per position before and after), ``reliability.png`` and ``confidence.safetensors`` (the ``z``, ``y``,
+per position before and after; the refit's figures), ``confidence_head.safetensors`` (the adopted
+refitted head, :func:`pipeline.drafters.save_calibrated_head`; export and evaluate load it),
+``reliability.png`` and ``confidence.safetensors`` (the ``z``, ``y``,
 ``valid`` arrays, so that the export stage can report the ECE of the confidence as vLLM sees it).
 The evaluate stage judges every estimator again on the decoding loop's rounds of held-out prompts.
 """
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -330,12 +339,104 @@ def run_task(cfg: RunConfig, fn, *args, gpus: float, cpus: float, name: str):
     return ray.get(ray.remote(**options)(fn).remote(*args))
 
 
+def sample_prompts(reader, selection: HeldoutSelection, count: int) -> list[list[int]]:
+    """The prompts of the first ``count`` selected held-out samples: each sample's ``input_ids`` up to
+    its first supervised token (the rendered conversation before the first assistant answer, with the
+    generation prompt), samples with no supervised token skipped.
+
+    Raises:
+        ShardNotCommittedError, MissingObjectError: as ``CacheReader.iter_samples``.
+    """
+    out = []
+    for sample in itertools.islice(reader.iter_samples(selection.shards), selection.samples_used):
+        if len(out) == count:
+            break
+        first = torch.as_tensor(sample.loss_mask).nonzero()
+        if first.numel() and int(first[0, 0]) > 0:
+            out.append(torch.as_tensor(sample.input_ids)[: int(first[0, 0])].tolist())
+    return out
+
+
+def onpolicy_rounds(target, tap, stop: set[int], drafter, prompts: Sequence[Sequence[int]], *, sampling,
+                    max_new_tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """The drafter's own decoding rounds on ``prompts`` (:func:`pipeline.inference.speculate.speculative_decode`
+    at ``sampling``, every block verified), arranged as the refit's rows.
+
+    Args:
+        target: the frozen target (HF causal LM, eval). tap: a ``LayerTap`` on it at the drafter's layer
+            ids. stop: stop ids. drafter: a drafter with a confidence head. prompts: token id lists.
+        sampling: a T >= 0 or a :class:`training.spec_sampling.Sampling`. max_new_tokens: per prompt.
+        seed: the generator seed (one generator on the target's device, prompts in order).
+    Returns:
+        ``(x [n, D] float32, y [n] float32, group [n] int64 prompt index, z [n] float32 the trained
+        head's logits)`` over the reached slots (:func:`training.confidence_refit.reached_rows`).
+    """
+    from pipeline.inference.speculate import device_generator, speculative_decode
+    from training.confidence_refit import reached_rows
+
+    gen = device_generator(target.device, seed)
+    xs, ys, gs, zs = [], [], [], []
+    for p, ids in enumerate(prompts):
+        rounds = speculative_decode(target, drafter, ids, tap=tap, max_new_tokens=max_new_tokens, temperature=sampling,
+                                    stop_ids=stop, generator=gen, keep_confidence_inputs=True).rounds
+        if not rounds:
+            continue
+        x, y, r, k = reached_rows(torch.stack([rd.confidence_input for rd in rounds]),
+                                  torch.tensor([rd.accepted for rd in rounds]), torch.tensor([rd.verified for rd in rounds]))
+        z = torch.tensor([rd.confidence_logits for rd in rounds], dtype=torch.float32)
+        xs.append(x), ys.append(y), gs.append(torch.full_like(r, p)), zs.append(z[r, k])
+    if not xs:
+        raise PipelineError(f"calibrate: no decoding round on {len(prompts)} refit prompts (each stopped at once): "
+                            "raise calibrate.refit_prompts or set it to 0")
+    return tuple(torch.cat(t) for t in (xs, ys, gs, zs))
+
+
+def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], prompts: Sequence[Sequence[int]]
+                          ) -> dict[str, Any]:
+    """The on-policy refit of ``model``'s confidence head (:mod:`training.confidence_refit`): its own
+    decoding rounds on ``prompts`` at its ``confidence_sampling`` setting, the logistic fit, and the
+    new head put into ``model`` when it ranks the odd prompts' slots better than the trained head
+    (pooled AUC).
+
+    Returns:
+        ``{"adopted", "seconds" (decoding and fit), "prompts", "slots" (reached slots fitted), "accepted_slots", "l2", "heldout_auc": {"refit",
+        "trained"}, "heldout_logloss": {...}, "weight" [1, D] float32, "bias" [1] float32, "replaces"}``
+        (the fitted head, adopted or not; ``replaces`` the trained head's :func:`pipeline.drafters.head_digest`).
+        Too few rounds to fit (no round, fewer than 2 prompts on a side, one class only): ``{"adopted": False,
+        "skipped": reason, "seconds", "prompts"}``, the trained head kept.
+    """
+    from pipeline.drafters import head_digest
+    from training.confidence_refit import fit_logistic_head
+
+    replaces, t0 = head_digest(model), time.perf_counter()
+    try:
+        x, y, group, z = onpolicy_rounds(target, tap, stop, model, prompts, sampling=model.config.confidence_sampling,
+                                         max_new_tokens=cfg.calibrate.refit_max_new_tokens, seed=cfg.train.seed)
+        fit = fit_logistic_head(x, y, group, z)
+    except (ValueError, PipelineError) as e:  # too few rounds or one class only: keep the trained head
+        log.warning("calibrate: no on-policy refit of the confidence head: %s", e)
+        return {"adopted": False, "skipped": str(e), "seconds": time.perf_counter() - t0, "prompts": len(prompts)}
+    adopted = fit.heldout_auc["refit"] > fit.heldout_auc["trained"]
+    if adopted:
+        proj = model.confidence_head.proj
+        with torch.no_grad():
+            proj.weight.copy_(fit.weight.to(proj.weight))
+            proj.bias.copy_(fit.bias.to(proj.bias))
+    return {"adopted": adopted, "seconds": time.perf_counter() - t0, "prompts": len(prompts), "slots": fit.rows, "accepted_slots": fit.positives,
+            "l2": fit.l2, "heldout_auc": fit.heldout_auc, "heldout_logloss": fit.heldout_logloss,
+            "weight": fit.weight, "bias": fit.bias, "replaces": replaces}
+
+
 def collect_all(cfg: RunConfig, names: Sequence[str], selection: HeldoutSelection
                 ) -> dict[str, tuple[ConfidenceSet, float]]:
-    """The :class:`ConfidenceSet` of each drafter in ``names`` over the ``selection`` of held-out
-    samples, with its held-out ``tau_expected`` at T = 1 (``1 + sum_j prod_{i<=j} c*_i``, block mean), each drafter on :func:`task_device` in the target's dtype on a
-    GPU (float32 on the CPU, as trained there), on the labels its ``confidence_calibration`` names
-    (:func:`realised_confidence` or :func:`collect_confidence`): the body of calibrate's task."""
+    """``{name: (ConfidenceSet, tau_expected, refit)}`` for each drafter in ``names``: first the on-policy
+    refit of its head (:func:`refit_confidence_head` on the prompts of the first ``calibrate.refit_prompts``
+    selected held-out samples; ``refit`` None when that is 0), then, with the head it keeps, the
+    :class:`ConfidenceSet` over the ``selection`` of held-out samples on the labels its
+    ``confidence_calibration`` names (:func:`realised_confidence` or :func:`collect_confidence`) and its
+    held-out ``tau_expected`` at T = 1 (``1 + sum_j prod_{i<=j} c*_i``, block mean). Each drafter runs on
+    :func:`task_device` in the target's dtype on a GPU (float32 on the CPU, as trained there): the
+    body of calibrate's task."""
     from cache_schema import CacheReader
     from pipeline.drafters import load_trained_drafter
     from pipeline.stages.cache import cache_url
@@ -351,16 +452,26 @@ def collect_all(cfg: RunConfig, names: Sequence[str], selection: HeldoutSelectio
     reader = CacheReader(cache_url(cfg), expected_fingerprint(cfg, target_dir))
     loss_cfg = LossConfig(ce_weight=cfg.train.loss_ce, tv_weight=cfg.train.loss_tv,
                           confidence_weight=cfg.train.loss_conf, decay_lambda=cfg.train.decay_lambda)
+    target = None
+    if cfg.calibrate.refit_prompts and names:
+        from pipeline.target_model.loader import load_target, stop_ids
+        from pipeline.target_model.prefill import LayerTap
+
+        target, tok, _ = load_target(cfg.target, device)
+        tap, stop = LayerTap(target, cfg.target.target_layer_ids), stop_ids(target, tok)
+        prompts = sample_prompts(reader, selection, cfg.calibrate.refit_prompts)
     out = {}
     for name in names:
         model = eval_drafter(load_trained_drafter(cfg, name, target_dir), device, dtype)
+        refit = None if target is None else refit_confidence_head(cfg, model, target, tap, stop, prompts)
         batches = heldout_batches(reader, selection, cfg.train.micro_batch_samples)
         if cfg.train.drafters[name].confidence_calibration == "realised":
-            out[name] = realised_confidence(model, batches, sampling=model.config.confidence_sampling,
+            data, tau = realised_confidence(model, batches, sampling=model.config.confidence_sampling,
                                             num_anchors=model.config.num_anchors, seed=cfg.train.seed)
         else:
             data = collect_confidence(model, batches, loss_cfg, seed=cfg.train.seed)
-            out[name] = data, float(expected_tau(data.y, data.valid).mean())
+            tau = float(expected_tau(data.y, data.valid).mean())
+        out[name] = data, tau, refit
         del model
     return out
 
@@ -372,8 +483,8 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
         ``{"heldout_shards": [...], "samples_used", "samples_available", "drafters": {name: {"temperatures",
         "global_temperature", "at_bounds", "num_blocks", "block_size", "label" (``"realised_acceptance"`` or
         ``"expected_acceptance"``), "confidence_sampling" ({temperature, top_p, top_k}), "heldout_tau_expected", "ece_before",
-        "ece_after", "ece_global", "samples_used", "samples_available"} |
-        {"skipped": reason}}}`` with ECE lists per position on the report half (None where undefined); ``heldout_tau_expected`` is the mean over held-out blocks of
+        "ece_after", "ece_global", "refit" (:func:`refit_confidence_head`'s figures, or None: ``calibrate.refit_prompts``
+        0), "samples_used", "samples_available"} | {"skipped": reason}}}`` with ECE lists per position on the report half (None where undefined); ``heldout_tau_expected`` is the mean over held-out blocks of
         ``1 + sum_j prod_{i<=j} c*_i`` (:func:`training.losses.expected_tau`). ``samples_used`` of the
         ``samples_available`` held-out samples were run (``calibrate.max_samples``: :func:`select_heldout`);
         each drafter's ``report.json`` records both too.
@@ -382,6 +493,7 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
         FileNotFoundError: a drafter has no committed checkpoint (run the train stage).
     """
     from cache_schema import CacheReader
+    from pipeline.drafters import calibrated_head_url, save_calibrated_head
     from pipeline.stages.cache import cache_url
     from pipeline.target_model.loader import resolve_target_path
     from pipeline.stages.train import expected_fingerprint
@@ -401,12 +513,21 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
         if not spec.confidence_head:
             summary["drafters"][name] = {"skipped": "no confidence head"}
             continue
-        data, tau_expected = sets[name]
+        data, tau_expected, refit = sets[name]
         label = spec.confidence_calibration
+        out = join(cfg.run_dir, "calibrate", name)
+        head_url = calibrated_head_url(cfg, name)
+        fs, head_path = filesystem(head_url)
+        if fs.exists(head_path):  # an earlier calibrate's head: never left beside a report that did not adopt it
+            fs.rm(head_path)
+        refit_report = None
+        if refit is not None:
+            refit_report = {k: v for k, v in refit.items() if k not in ("weight", "bias", "replaces")}
+            if refit.get("adopted"):
+                save_calibrated_head(head_url, refit["weight"], refit["bias"], refit["replaces"])
         report = {**calibrate_drafter(data, n_bins=cfg.calibrate.bins, grid_step=cfg.calibrate.grid_step, label=label),
                   "confidence_sampling": dict(zip(("temperature", "top_p", "top_k"), confidence_sampling(spec, cfg))),
-                  **sampled}
-        out = join(cfg.run_dir, "calibrate", name)
+                  "refit": refit_report, **sampled}
         write_json(join(out, "report.json"), report)
         save_confidence(join(out, "confidence.safetensors"), data)
         held = data.split()[1]
@@ -420,7 +541,7 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
             "confidence_sampling": report["confidence_sampling"],
             "heldout_tau_expected": tau_expected,
             "ece_before": [p["before"]["ece"] for p in pos], "ece_after": [p["after"]["ece"] for p in pos],
-            "ece_global": [p["global"]["ece"] for p in pos], **sampled}
+            "ece_global": [p["global"]["ece"] for p in pos], "refit": refit_report, **sampled}
         log.info("calibrate %s: %d blocks of %d/%d held-out samples, T=%s", name, data.num_blocks,
                  selection.samples_used, selection.samples_available, [round(t, 3) for t in report["temperatures"]])
     return summary

@@ -241,7 +241,7 @@ def evaluate_on_device(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.inference.sps import profile_sps
     from pipeline.inference.scheduler import SPSCurve
     from pipeline.stages.calibrate import task_device
-    from pipeline.target_model.loader import load_target, resolve_target_path
+    from pipeline.target_model.loader import load_target, resolve_target_path, stop_ids
     from pipeline.target_model.prefill import LayerTap
     from training.block_runner import eval_drafter
 
@@ -249,12 +249,12 @@ def evaluate_on_device(cfg: RunConfig) -> dict[str, Any]:
     device = task_device()
     dtype = torch_dtype(cfg.target.dtype) if device != "cpu" else None
     target_dir = resolve_target_path(cfg.target.path)  # drafters first: a config they refuse costs nothing
-    drafters = {n: eval_drafter(load_trained_drafter(cfg, n, target_dir), device, dtype) for n in cfg.train.drafters}
+    drafters = {n: eval_drafter(load_trained_drafter(cfg, n, target_dir, calibrated=True), device, dtype) for n in cfg.train.drafters}
     model, tok, target_dir = load_target(cfg.target, device)
     prompts = eval_prompts(cfg, tok)
     if not prompts:
         raise PipelineError("no usable evaluation prompt in data.eval_files")
-    stop = {tok.eos_token_id, *np.atleast_1d(model.generation_config.eos_token_id or []).tolist()} - {None}
+    stop = stop_ids(model, tok)
     block_records: dict = {}
     blocks = block_level(cfg, drafters, target_dir, block_records) if cfg.evaluate.block_samples else None
     tap = LayerTap(model, cfg.target.target_layer_ids)

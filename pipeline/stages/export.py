@@ -81,7 +81,7 @@ def run_export(cfg: RunConfig) -> dict[str, Any]:
     target_dir = resolve_target_path(cfg.target.path)
     summary: dict[str, Any] = {"drafters": {}, "skipped": {}}
     for name in cfg.train.drafters:
-        model = load_trained_drafter(cfg, name, target_dir)
+        model = load_trained_drafter(cfg, name, target_dir, calibrated=True)
         try:
             architecture(model.config)
         except ExportError as e:

@@ -80,3 +80,12 @@ def load_target(cfg: TargetConfig, device: str = "cpu"):
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(local, local_files_only=True)
     return model, tokenizer, local
+
+
+def stop_ids(model, tokenizer) -> set[int]:
+    """The end-of-turn / end-of-sequence ids a decoding loop stops at: the tokenizer's
+    ``eos_token_id`` and every id of the model's ``generation_config.eos_token_id`` (an int or a list)."""
+    import numpy as np
+
+    ids = np.atleast_1d(model.generation_config.eos_token_id or []).tolist()
+    return {tokenizer.eos_token_id, *ids} - {None}
