@@ -237,10 +237,12 @@ class DrafterSpec:
     markov_rank: int = 256
     confidence_head: bool = True  # on [h_k ; W1[x_{k-1}]] when a sequential head exists, else [h_k]
     confidence_grad_to_backbone: bool = False
-    # the sampling setting (temperature, top-p, top-k) of the confidence head's training label c*
-    # (training.losses.confidence_labels; T 0 = greedy acceptance) and of the realised acceptance calibrate
-    # fits on; confidence_temperature null = the generate stage's setting (generate.temperature/top_p/top_k)
-    confidence_temperature: Optional[float] = 1.0
+    # the serving setting (temperature, top-p, top-k) the confidence head is made for: its training label
+    # c* (training.losses.confidence_labels; T 0 = greedy acceptance), calibrate's on-policy refit and the
+    # realised acceptance STS fits on (the run config's value at calibrate time); null (default) = the
+    # generate stage's setting (generate.temperature/top_p/top_k: Qwen3's 0.7 / 0.8 / 20), which the head
+    # ranks decoding rounds best at (docs/confidence.md)
+    confidence_temperature: Optional[float] = None
     confidence_top_p: float = 1.0
     confidence_top_k: int = 0
     # what calibrate fits STS and the global temperature on: realised (0/1 acceptance of the drafter's

@@ -9,7 +9,7 @@ Ray's "current cluster" file of the default temp dir is never written and anothe
 ``ray.init()`` never joins this cluster. Stages run through the head's job server
 (:func:`pipeline.cluster.submit`), exactly as a user submits them.
 
-:meth:`LocalCluster.kill_node` SIGKILLs a node's whole process tree (its ``ray start``, raylet,
+:meth:`LocalCluster.kill_node` SIGKILLs every process of a node (its session: its ``ray start``, raylet,
 agents and every worker it spawned), what a lost machine looks like to the head; :meth:`add_node`
 adds one back, as an autoscaler would.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from pipeline.cluster import free_port, submit
+from pipeline.cluster import START_TIMEOUT, free_port, submit
 
 RAY_BIN = str(Path(sys.executable).parent / "ray")
 
@@ -47,13 +47,22 @@ _NODE_PORTS = ("node-manager-port", "object-manager-port", "metrics-export-port"
                "dashboard-agent-grpc-port", "runtime-env-agent-port")
 
 
+def _session(proc: subprocess.Popen) -> list[psutil.Process]:
+    """Every live process of ``proc``'s session (``proc`` is a session leader, ``start_new_session``): its
+    ``ray start``, raylet, agents and workers, also those orphaned when ``ray start`` itself exited."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == proc.pid:
+                found.append(p)
+        except (OSError, psutil.Error):
+            pass
+    return found
+
+
 def _kill_tree(proc: subprocess.Popen) -> int:
-    """SIGKILL ``proc`` and all its descendants, wait for them; returns how many there were."""
-    try:
-        procs = [psutil.Process(proc.pid)]
-        procs += procs[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        return 0
+    """SIGKILL every process of ``proc``'s session (:func:`_session`), wait for them; returns how many."""
+    procs = _session(proc)
     for p in procs:
         try:
             p.kill()
@@ -67,7 +76,7 @@ def _kill_tree(proc: subprocess.Popen) -> int:
 class LocalCluster:
     """A head (job server, no CPU) and ``workers`` worker nodes of ``cpus`` CPUs and one GPU each.
 
-    Use as a context manager; the exit stops every node it started (by process tree, never
+    Use as a context manager; the exit stops every node it started (by session, never
     ``ray stop``, which would stop every Ray instance of the machine).
 
     Raises:
@@ -115,24 +124,35 @@ class LocalCluster:
 
         return [n.__dict__ for n in list_nodes(address=self.address, limit=10_000, raise_on_missing_output=False)]
 
-    def add_node(self) -> Node:
-        """Start a worker node (``cpus`` CPUs, one GPU) and wait until the head lists it alive."""
+    def add_node(self, attempts: int = 3) -> Node:
+        """Start a worker node (``cpus`` CPUs, one GPU) and wait until the head lists it alive. A ``ray
+        start`` that gives up because its raylet did not register within Ray's 30 s (a busy machine, a
+        GCS still handling a lost node: :data:`pipeline.cluster.START_TIMEOUT`) is cleaned up and tried
+        again, up to ``attempts`` times.
+
+        Raises:
+            RuntimeError: the node did not join (its ``ray start`` output attached)."""
         known = {n["node_id"] for n in self.nodes()}
-        node = self._start([f"--address=127.0.0.1:{self.gcs_port}", f"--num-cpus={self.cpus}", "--num-gpus=1",
-                            "--min-worker-port=0", "--max-worker-port=0", "--object-store-memory=200000000",
-                            *_ports(*_NODE_PORTS)])
-        self.workers.append(node)
-        deadline = time.time() + self.timeout_s
-        while True:
-            new = [n for n in self.nodes() if n["node_id"] not in known and n["state"] == "ALIVE"
-                   and not n["is_head_node"] and n["node_id"] not in {w.node_id for w in self.workers}]
-            if new:
-                node.node_id = new[0]["node_id"]
-                return node
-            if time.time() > deadline or node.proc.poll() is not None:
-                raise RuntimeError(f"a worker node did not join within {self.timeout_s:.0f} s: "
+        for attempt in range(1, attempts + 1):
+            node = self._start([f"--address=127.0.0.1:{self.gcs_port}", f"--num-cpus={self.cpus}", "--num-gpus=1",
+                                "--min-worker-port=0", "--max-worker-port=0", "--object-store-memory=200000000",
+                                *_ports(*_NODE_PORTS)])
+            deadline = time.time() + self.timeout_s
+            while True:
+                new = [n for n in self.nodes() if n["node_id"] not in known and n["state"] == "ALIVE"
+                       and not n["is_head_node"] and n["node_id"] not in {w.node_id for w in self.workers}]
+                if new:
+                    node.node_id = new[0]["node_id"]
+                    self.workers.append(node)
+                    return node
+                if node.proc.poll() is not None or time.time() > deadline:
+                    break
+                time.sleep(0.5)
+            _kill_tree(node.proc)
+            if START_TIMEOUT not in node.log.read_text() or attempt == attempts:
+                raise RuntimeError(f"a worker node did not join (try {attempt}, {self.timeout_s:.0f} s each): "
                                    + node.log.read_text()[-2000:])
-            time.sleep(0.5)
+        raise AssertionError("unreachable")
 
     def kill_node(self, node: Node) -> int:
         """SIGKILL every process of ``node`` (its ``ray start``, raylet, agents, workers); returns how
@@ -143,18 +163,21 @@ class LocalCluster:
 
     def node_of_actor(self, class_name: str, pid: int | None = None) -> tuple[Node, int]:
         """The worker node and pid of a live actor whose class name contains ``class_name`` (and whose
-        process is ``pid``, when given).
+        process is ``pid``, when given), found from the process table: each node's processes are its
+        ``ray start``'s session, and an actor's process is titled ``ray::<class name>`` (``.<method>``
+        added while a call runs). Instant, where the state API can take seconds on a busy machine
+        (a fault meant to land mid-shard or mid-step would land too late).
 
         Raises:
             LookupError: no such actor is alive (yet)."""
-        from ray.util.state import list_actors
-
-        for a in list_actors(address=self.address, filters=[("state", "=", "ALIVE")], limit=10_000,
-                             raise_on_missing_output=False):
-            if class_name in a.class_name and pid in (None, a.pid):
-                for n in self.workers:
-                    if n.node_id == a.node_id:
-                        return n, a.pid
+        for n in self.workers:
+            for p in _session(n.proc):
+                try:
+                    title = " ".join(p.cmdline())
+                except psutil.Error:
+                    continue
+                if title.startswith("ray::") and class_name in title and pid in (None, p.pid):
+                    return n, p.pid
         raise LookupError(f"no live actor {class_name!r} on a worker node")
 
     def submit(self, entrypoint: list[str], timeout_s: float = 400):
@@ -168,8 +191,19 @@ class LocalCluster:
             return subprocess.Popen([RAY_BIN, "job", "submit", "--address", self.address, "--", *entrypoint],
                                     env=self.env, stdout=out, stderr=subprocess.STDOUT)
 
+    def stop_jobs(self) -> int:
+        """Stop every job still running (a test that gave up on one must not leave it holding the
+        nodes for the next); returns how many were asked to stop."""
+        from ray.job_submission import JobStatus, JobSubmissionClient
+
+        client = JobSubmissionClient(self.address)
+        running = [j.submission_id for j in client.list_jobs() if j.status in (JobStatus.PENDING, JobStatus.RUNNING)]
+        for job in running:
+            client.stop_job(job)
+        return len(running)
+
     def close(self) -> None:
-        """SIGKILL every node's process tree (nothing of the cluster is worth a graceful stop) and
+        """SIGKILL every process of every node (nothing of the cluster is worth a graceful stop) and
         remove the head's temp dir and the nodes' output files."""
         for node in [*self.workers, self.head]:
             _kill_tree(node.proc)

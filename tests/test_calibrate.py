@@ -173,7 +173,7 @@ def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, t
     y, valid = saved.y, saved.valid
     # the default: realised 0/1 prefix survival of the drafter's own drafts at its confidence setting
     assert report["label"] == s["label"] == "realised_acceptance"
-    assert s["confidence_sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    assert s["confidence_sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}  # the generate setting
     assert set(y[valid].unique().tolist()) <= {0.0, 1.0} and ((y[:, 1:] <= y[:, :-1]) | ~valid[:, 1:]).all()
     assert s["block_size"] == 7 and 1.0 < s["heldout_tau_expected"] < 8.0
     assert (out / "reliability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

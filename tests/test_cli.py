@@ -63,6 +63,7 @@ def test_relative_paths_become_absolute(tmp_path, monkeypatch, local_target):
     ("generate.top_p=0", "generate.top_p: must be in (0, 1]"),
     ("generate.rows_per_shard=0", "generate.rows_per_shard: must be >= 1"),
     ("train.cpus_per_worker=0", "train.cpus_per_worker: must be >= 1"),
+    ("cache.shard_delay_s=-1", "cache.shard_delay_s: must be >= 0 seconds"),
 ])
 def test_bad_config_is_one_line(override, msg):
     with pytest.raises(ConfigError) as e:

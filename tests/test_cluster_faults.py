@@ -26,8 +26,10 @@ from pipeline.run import DEFAULT_CONFIG
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster_faults]
 
+# cache.shard_delay_s: the tiny target prefills a shard in ~20 ms, so an actor would have no shard in flight
+# when the fault lands; held 1 s each, the actor that just committed is always prefilling its next shard
 CACHE = ["generate.enabled=false", "data.min_loss_tokens=1", "cache.rows_per_shard=5", "cache.num_workers=2",
-         "cache.gpus_per_worker=1", "cache.cpus_per_worker=1"]
+         "cache.gpus_per_worker=1", "cache.cpus_per_worker=1", "cache.shard_delay_s=1.0"]
 TRAIN = ["train.num_anchors=8", "train.drafters.dspark.markov_rank=8", "train.drafters.dspark.num_layers=1",
          "~train.drafters.dflash", "train.num_workers=1", "train.concurrent_drafters=1", "train.heldout_shards=1",
          "train.validation_shards=0", "train.micro_batch_samples=4", "train.global_batch_samples=4",
@@ -54,6 +56,10 @@ def commit_checksums(run_dir: Path) -> dict[str, dict]:
 
 
 def wait_for(pred, timeout_s: float, what: str) -> None:
+    """Poll ``pred()`` every 0.2 s until it is true.
+
+    Raises:
+        TimeoutError: not true within ``timeout_s`` seconds (``what`` names it)."""
     deadline = time.time() + timeout_s
     while not pred():
         if time.time() > deadline:
@@ -77,15 +83,25 @@ def run_disturbed(cluster: LocalCluster, entry: list[str], ready, fault, log: Pa
     finally:
         if job.poll() is None:
             job.kill()
+            cluster.stop_jobs()
     assert job.returncode == 0, log.read_text()[-4000:]
     return time.time() - t0
 
 
 def busy_writer(cluster: LocalCluster, run_dir: Path):
     """The worker node and pid of the prefill actor that committed the run's newest shard (its commit
-    record's ``writer_id`` is ``host:pid``): an actor past its start-up, with shards in flight."""
+    record's ``writer_id`` is ``host:pid``): an actor past its start-up, prefilling its next shard
+    (``cache.shard_delay_s``)."""
     newest = max((run_dir / "cache" / "commits").glob("*.json"), key=lambda p: p.stat().st_mtime)
-    return cluster.node_of_actor("MapWorker", pid=int(json.loads(newest.read_text())["writer_id"].rsplit(":", 1)[1]))
+    for _ in range(50):  # a local commit record is created, then written: it may be read empty once
+        try:
+            pid = int(json.loads(newest.read_text())["writer_id"].rsplit(":", 1)[1])
+            break
+        except json.JSONDecodeError:
+            time.sleep(0.01)
+    else:
+        raise AssertionError(f"{newest} is not a commit record")
+    return cluster.node_of_actor("MapWorker", pid=pid)
 
 
 def kill_and_replace(cluster: LocalCluster, node) -> None:

@@ -135,12 +135,14 @@ def test_the_option_changes_only_the_confidence_term():
 def test_config_keys_reach_the_drafter_and_are_validated(tmp_path):
     cfg = load_config("conf/tiny.yaml", [f"run_dir={tmp_path}"])
     spec = cfg.train.drafters["dspark"]
-    assert confidence_sampling(spec, cfg) == (1.0, 1.0, 0)
+    assert confidence_sampling(spec, cfg) == (0.7, 0.8, 20)  # the default: the generate stage's setting
     c = drafter_config(spec, cfg)
-    assert c.confidence_sampling == 1.0 and not c.confidence_sampling.truncates
-    cfg = load_config("conf/tiny.yaml", [f"run_dir={tmp_path}", "train.drafters.dspark.confidence_temperature=null"])
+    assert c.confidence_sampling == Sampling(0.7, 0.8, 20) and c.confidence_sampling.truncates
+    cfg = load_config("conf/tiny.yaml", [f"run_dir={tmp_path}", "generate.temperature=0.6", "generate.top_k=0"])
+    assert drafter_config(cfg.train.drafters["dspark"], cfg).confidence_sampling == Sampling(0.6, 0.8, 0)
+    cfg = load_config("conf/tiny.yaml", [f"run_dir={tmp_path}", "train.drafters.dspark.confidence_temperature=1"])
     c = drafter_config(cfg.train.drafters["dspark"], cfg)
-    assert c.confidence_sampling == Sampling(0.7, 0.8, 20)            # the generate stage's setting
+    assert c.confidence_sampling == 1.0 and not c.confidence_sampling.truncates
     cfg = load_config("conf/tiny.yaml", [f"run_dir={tmp_path}", "train.drafters.dspark.confidence_temperature=0",
                                          "train.drafters.dspark.confidence_top_k=5"])
     assert drafter_config(cfg.train.drafters["dspark"], cfg).confidence_sampling == Sampling(0.0, 1.0, 5)

@@ -18,7 +18,8 @@ the one temperature that the export folds into the head (what vLLM's raw sigmoid
 
 Which labels (``train.drafters.<name>.confidence_calibration``): ``realised`` (default) fits and reports
 on the realised 0/1 prefix survival ``1[accepted >= k]`` of the drafter's own drafts, sampled at the
-head's serving setting (``confidence_temperature`` / ``_top_p`` / ``_top_k``, :func:`pipeline.config.confidence_sampling`)
+head's serving setting (``confidence_temperature`` / ``_top_p`` / ``_top_k`` of the run config at calibrate
+time, default the generate stage's setting, :func:`pipeline.config.confidence_sampling`)
 and verified by speculative sampling against the cached target distribution on the same held-out
 blocks (:func:`realised_confidence`, the block-level evaluation's
 ``training.block_runner.evaluate_blocks``); ``expected`` on the teacher-forced ``c*_k`` at T = 1
@@ -391,10 +392,10 @@ def onpolicy_rounds(target, tap, stop: set[int], drafter, prompts: Sequence[Sequ
     return tuple(torch.cat(t) for t in (xs, ys, gs, zs))
 
 
-def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], prompts: Sequence[Sequence[int]]
-                          ) -> dict[str, Any]:
+def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], prompts: Sequence[Sequence[int]],
+                          sampling) -> dict[str, Any]:
     """The on-policy refit of ``model``'s confidence head (:mod:`training.confidence_refit`): its own
-    decoding rounds on ``prompts`` at its ``confidence_sampling`` setting, the logistic fit, and the
+    decoding rounds on ``prompts`` at ``sampling`` (the head's serving setting), the logistic fit, and the
     new head put into ``model`` when it ranks the odd prompts' slots better than the trained head
     (pooled AUC).
 
@@ -410,7 +411,7 @@ def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], pr
 
     replaces, t0 = head_digest(model), time.perf_counter()
     try:
-        x, y, group, z = onpolicy_rounds(target, tap, stop, model, prompts, sampling=model.config.confidence_sampling,
+        x, y, group, z = onpolicy_rounds(target, tap, stop, model, prompts, sampling=sampling,
                                          max_new_tokens=cfg.calibrate.refit_max_new_tokens, seed=cfg.train.seed)
         fit = fit_logistic_head(x, y, group, z)
     except (ValueError, PipelineError) as e:  # too few rounds or one class only: keep the trained head
@@ -445,6 +446,7 @@ def collect_all(cfg: RunConfig, names: Sequence[str], selection: HeldoutSelectio
     from pipeline.target_model.loader import resolve_target_path
     from training.block_runner import eval_drafter
     from training.losses import LossConfig, expected_tau
+    from training.spec_sampling import Sampling
 
     device = task_device()
     dtype = torch_dtype(cfg.target.dtype) if device != "cpu" else None
@@ -463,10 +465,11 @@ def collect_all(cfg: RunConfig, names: Sequence[str], selection: HeldoutSelectio
     out = {}
     for name in names:
         model = eval_drafter(load_trained_drafter(cfg, name, target_dir), device, dtype)
-        refit = None if target is None else refit_confidence_head(cfg, model, target, tap, stop, prompts)
+        sampling = Sampling(*confidence_sampling(cfg.train.drafters[name], cfg))  # the run config's, not the record's
+        refit = None if target is None else refit_confidence_head(cfg, model, target, tap, stop, prompts, sampling)
         batches = heldout_batches(reader, selection, cfg.train.micro_batch_samples)
         if cfg.train.drafters[name].confidence_calibration == "realised":
-            data, tau = realised_confidence(model, batches, sampling=model.config.confidence_sampling,
+            data, tau = realised_confidence(model, batches, sampling=sampling,
                                             num_anchors=model.config.num_anchors, seed=cfg.train.seed)
         else:
             data = collect_confidence(model, batches, loss_cfg, seed=cfg.train.seed)
