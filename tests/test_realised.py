@@ -53,3 +53,24 @@ def test_from_rounds_keeps_rounds_with_a_head():
     assert y[0].tolist() == [1.0, 0.0, 0.0] and bool(valid.all())
     with pytest.raises(ValueError, match="confidence head"):
         from_rounds([Decoded([1], [Round(3, 3, 2, None, 0.0, 0.0, None)])])
+
+
+def test_adaptive_verification_runs_only_where_it_gained_on_the_calibration_rounds():
+    """A head of pure noise (max q informative): Algorithm 1 alone loses ~5% to the best fixed block
+    at R = 64 on the held-out rounds; it lost on the calibration rounds too, so the policy there is the
+    fixed block (exactly 1.00x), while max q, which gains on both, stays adaptive."""
+    g = torch.Generator().manual_seed(0)
+    n, gamma = 4_000, 4
+    c = torch.sigmoid((torch.randn(n, gamma, generator=g, dtype=torch.float64) * 2 + 1.5) / 2)
+    acc = torch.bernoulli(c, generator=g).cumprod(1).sum(1).long()
+    noise = torch.randn(n, gamma, generator=g, dtype=torch.float64)
+    fit, held = Outcomes(noise, c.clone(), acc, torch.full((n,), gamma), torch.arange(n) // 50).split()
+    sps = SPSCurve([1, 16, 64, 256, 1024], [300, 280, 200, 80, 20])
+    sim = compare(fit, {"held": held}, sps, concurrency=[1, 64, 256], export_temperature=1.0, seed=0)["simulation"]
+    for R in ("64", "256"):
+        assert sim["raw"][R]["ratio_algorithm1"] < 0.97                    # the loss the gate prevents
+        assert not sim["raw"][R]["adaptive"] and sim["raw"][R]["ratio"] == pytest.approx(1.0, abs=1e-12)
+        assert sim["max-q"][R]["adaptive"] and sim["max-q"][R]["ratio"] > 1.02
+    assert sim["adaptive"] == {"1": False, "64": True, "256": True}
+    assert "| 64 | " in format_tables("dspark", "T=1", {"fit_blocks": fit.num_blocks, "estimators": {}, "metrics": {},
+                                                        "simulation": sim})

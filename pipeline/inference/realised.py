@@ -190,22 +190,50 @@ def plot_reliability(path: str, curves: dict[str, torch.Tensor], data: Outcomes,
     return path
 
 
+CALIBRATION_MIN_GAIN = 0.02
+"""Adaptive verification runs at a concurrency R only where, on the calibration (fit) rounds, it beat the
+best fixed block by at least this fraction (the check a deployer makes before enabling it); elsewhere
+the fixed block is the policy. On the tiny run Algorithm 1 lost 3-5% at R = 64 of the CPU curve for
+every estimator, max q included, where the curve alone said adaptive lengths could pay."""
+
+
+def _adaptive_gain(fit: Outcomes, p, sps, concurrency: Sequence[int], seed: int, min_speedup: float | None
+                   ) -> list[int] | None:
+    """The R values where the scheduler with estimator ``p`` beats the best fixed block by
+    :data:`CALIBRATION_MIN_GAIN` on ``fit``'s full blocks; None (no restriction) without any."""
+    from pipeline.inference.scheduler import simulate
+
+    full = fit.full()
+    if not full.num_blocks:
+        return None
+    y, _ = full.labels()
+    res = simulate(y.numpy().astype(np.int64), conditional(p, full).numpy(), sps, concurrency=concurrency,
+                   seed=seed, min_speedup=min_speedup)["results"]
+    return [r["R"] for r in res if r["ratio_scheduler"] >= 1 + CALIBRATION_MIN_GAIN]
+
+
 def _simulation(set_name: str, full: Outcomes, est: dict[str, Any], sps, concurrency: Sequence[int],
-                seed: int, min_speedup: float | None) -> dict[str, Any]:
+                seed: int, min_speedup: float | None, fit: Outcomes | None = None) -> dict[str, Any]:
     """The scheduler simulation of every estimator on the realised full blocks ``full`` over one cost
-    curve (an :class:`SPSCurve` or ``{R: SPSCurve}``); the structure of ``compare``'s ``simulation``."""
+    curve (an :class:`SPSCurve` or ``{R: SPSCurve}``); the structure of ``compare``'s ``simulation``.
+    With ``fit`` (the calibration rounds), each estimator's adaptive policy runs only at the R where it
+    gained on them (:func:`_adaptive_gain`)."""
     from pipeline.inference.scheduler import simulate
 
     sim: dict[str, Any] = {"set": set_name, "blocks": full.num_blocks}
     if full.num_blocks:
         y, _ = full.labels()
         for e, p in est.items():
+            allowed = None if fit is None else _adaptive_gain(fit, p, sps, concurrency, seed, min_speedup)
             res = simulate(y.numpy().astype(np.int64), conditional(p, full).numpy(), sps, concurrency=concurrency,
-                           seed=seed, min_speedup=min_speedup)["results"]
+                           seed=seed, min_speedup=min_speedup, adaptive_at=allowed)["results"]
             sim.setdefault("fixed", {str(r["R"]): {g: v["tokens_per_s"] for g, v in r["fixed"].items()} for r in res})
             sim.setdefault("best_fixed", {str(r["R"]): r["best_fixed_gamma"] for r in res})
-            sim.setdefault("adaptive", {str(r["R"]): r["adaptive"] for r in res})
+            flags = sim.setdefault("adaptive", {})
+            for r in res:
+                flags[str(r["R"])] = flags.get(str(r["R"]), False) or r["adaptive"]
             sim[e] = {str(r["R"]): {"tokens_per_s": r["scheduler"]["tokens_per_s"], "ratio": r["ratio_scheduler"],
+                                    "adaptive": r["adaptive"],
                                     "ratio_production": r["ratio_production"], "ratio_algorithm1": r["ratio_algorithm1"],
                                     "verified_per_request": r["scheduler"]["verified_per_request"]} for r in res}
     return sim
@@ -217,12 +245,15 @@ def compare(fit: Outcomes, reports: dict[str, Outcomes], sps, *, concurrency: Se
     """Fit the estimators on ``fit``; per report set, their per-position metrics; on the first report
     set's full blocks, the scheduler simulation per estimator against fixed block lengths, on ``sps``
     and, when given, on ``model_curves`` (``{R: SPSCurve}``, e.g. the H200 roofline model);
-    ``min_speedup``: the scheduler's fixed-block fallback (``pipeline.inference.scheduler.simulate``).
+    ``min_speedup``: the scheduler's fixed-block fallback (``pipeline.inference.scheduler.simulate``);
+    each estimator's adaptive policy also runs only at the R where it beat the best fixed block by
+    :data:`CALIBRATION_MIN_GAIN` on ``fit``'s full blocks (the rest: the fixed block).
 
     Returns:
         ``{"fit_blocks", "estimators": {name: params}, "metrics": {set: {"blocks", name: [per position]}},
         "simulation": {"set", "blocks", "fixed": {R: {gamma: tokens/s}}, "best_fixed": {R: gamma},
-        "adaptive": {R: bool}, name: {R: {"tokens_per_s", "ratio", "ratio_production", "ratio_algorithm1",
+        "adaptive": {R: bool} (any estimator verified adaptively there), name: {R: {"tokens_per_s", "ratio",
+        "adaptive" (this estimator's policy was adaptive, not the fixed block), "ratio_production", "ratio_algorithm1",
         "verified_per_request"}}}}`` (R as str), plus ``"simulation_h200_model"`` of the same form
         when ``model_curves`` is given.
     """
@@ -232,9 +263,10 @@ def compare(fit: Outcomes, reports: dict[str, Outcomes], sps, *, concurrency: Se
         out["metrics"][name] = {"blocks": data.num_blocks, **{e: metrics(conditional(p, data), data) for e, p in est.items()}}
     set_name, data = next(iter(reports.items()))
     full = data.full()
-    out["simulation"] = _simulation(set_name, full, est, sps, concurrency, seed, min_speedup)
+    out["simulation"] = _simulation(set_name, full, est, sps, concurrency, seed, min_speedup, fit)
     if model_curves is not None:
-        out["simulation_h200_model"] = _simulation(set_name, full, est, model_curves, concurrency, seed, min_speedup)
+        out["simulation_h200_model"] = _simulation(set_name, full, est, model_curves, concurrency, seed, min_speedup,
+                                                   fit)
     return out
 
 
@@ -282,12 +314,15 @@ def format_tables(name: str, key: str, cmp: dict[str, Any]) -> str:
         est = [e for e in ESTIMATORS if e in sim]
         lines += ["", f"{name} {key}, {curve}: simulated tokens/s over the best fixed block length ({sim['blocks']} "
                   f"realised full blocks of {sim['set']}, scheduler = DSpark Algorithm 1 with the fixed-block "
-                  "fallback, production variant in brackets; * = fallback: the curve says other lengths cannot pay)",
+                  "fallback, production variant in brackets; * = fallback: the curve says other lengths cannot pay, or "
+                  f"no estimator beat the best fixed block by {CALIBRATION_MIN_GAIN:.0%} on the calibration rounds; "
+                  "f = this estimator fell back to the fixed block)",
                   "| R | best fixed gamma | fixed tokens/s | " + " | ".join(est) + " |",
                   "|---:|---:|---:|" + "---:|" * len(est)]
         for R, g in sim["best_fixed"].items():
             star = "" if sim.get("adaptive", {}).get(R, True) else "*"
             lines.append(f"| {R}{star} | {g} | {sim['fixed'][R][str(g)]:.0f} | "
-                         + " | ".join(f"{sim[e][R]['ratio']:.3f} ({sim[e][R]['ratio_production']:.3f})" for e in est)
+                         + " | ".join(f"{sim[e][R]['ratio']:.3f} ({sim[e][R]['ratio_production']:.3f})"
+                                      f"{'' if sim[e][R].get('adaptive', True) or star else ' f'}" for e in est)
                          + " |")
     return "\n".join(lines) + "\n"

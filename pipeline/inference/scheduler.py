@@ -278,7 +278,8 @@ def _curve(sps: SPSCurve | Mapping[int, SPSCurve], R: int) -> SPSCurve:
 
 def simulate(outcomes: np.ndarray, conf: np.ndarray, sps: SPSCurve | Mapping[int, SPSCurve], *,
              concurrency: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
-             n_steps: int = 200, seed: int = 0, min_speedup: float | None = MIN_SPEEDUP) -> dict:
+             n_steps: int = 200, seed: int = 0, min_speedup: float | None = MIN_SPEEDUP,
+             adaptive_at: Sequence[int] | None = None) -> dict:
     """Replay recorded blocks to compare fixed gamma against the scheduler (DSpark Algorithm 1).
 
     At concurrency R, each of ``n_steps`` steps draws R recorded blocks uniformly with replacement
@@ -289,7 +290,9 @@ def simulate(outcomes: np.ndarray, conf: np.ndarray, sps: SPSCurve | Mapping[int
     first two steps use their own confidences). Both adaptive policies fall back to the best fixed
     block (the engine's configured ``num_speculative_tokens``) where :func:`adaptive_can_pay` says
     other verified lengths cannot pay (module doc); ``min_speedup=None`` turns the fallback off
-    (Algorithm 1 alone, as the paper).
+    (Algorithm 1 alone, as the paper). ``adaptive_at`` restricts the adaptive policies further to the
+    concurrencies it lists (e.g. where they beat the best fixed block on calibration rounds:
+    :func:`pipeline.inference.realised.compare`).
 
     Args:
         outcomes: [M, gamma] 0/1 realised acceptances, prefix-closed (1s then 0s).
@@ -297,6 +300,7 @@ def simulate(outcomes: np.ndarray, conf: np.ndarray, sps: SPSCurve | Mapping[int
         sps: :class:`SPSCurve`, or ``{R: SPSCurve}`` one per concurrency (the roofline's
             :func:`pipeline.inference.roofline.sps_curves`). concurrency: R values (>= 1).
         n_steps: steps per R (>= 1). seed: RNG seed. min_speedup: the fallback's threshold (>= 0) or None.
+        adaptive_at: the R values where adaptive verification may run, or None (every R).
     Returns:
         JSON-able dict ``{"gamma", "n_steps", "seed", "min_speedup", "results": [per R: {"R", "fixed":
         {"1": summary, ...}, "scheduler": summary, "production": summary, "algorithm1": summary (DSpark
@@ -332,7 +336,8 @@ def simulate(outcomes: np.ndarray, conf: np.ndarray, sps: SPSCurve | Mapping[int
             tokens = float((1 + accepted_upto[idx, g]).sum())
             fixed[str(g)] = _summary(tokens, n_steps / float(curve(R * (1 + g))), n_steps, R, n_steps * R * g)
         best = max(fixed, key=lambda g: fixed[g]["tokens_per_s"])
-        adaptive = min_speedup is None or adaptive_can_pay(curve, R, gamma, min_speedup)
+        adaptive = (min_speedup is None or adaptive_can_pay(curve, R, gamma, min_speedup)) and (
+            adaptive_at is None or R in adaptive_at)
         totals = {"scheduler": [0.0, 0.0, 0.0], "production": [0.0, 0.0, 0.0], "algorithm1": [0.0, 0.0, 0.0]}
         for t in range(n_steps):
             rows = idx[t]
