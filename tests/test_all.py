@@ -88,8 +88,8 @@ def test_all_stages_on_s3(tmp_path, s3_url):
                for x in confidence["settings"])
     ece = s["calibrate"]["drafters"]["dspark"]
     assert len(ece["temperatures"]) == 4 and all(t > 0 for t in ece["temperatures"])
-    refit = ece["refit"]  # the 16 held-out samples' prompts decoded by the drafter; its head adopted, or the reason
-    assert refit["prompts"] == 16 and ("skipped" in refit or refit["slots"] > 0)
+    refit = ece["refit"]  # the held-out samples' prompts (at most 16) decoded by the drafter; its head adopted, or the reason
+    assert 8 <= refit["prompts"] <= 16 and ("skipped" in refit or refit["slots"] > 0)
     assert fs.exists(join(run_dir, "calibrate", "dspark", "confidence_head.safetensors")) == refit["adopted"]
 
     for name in ("dflash", "dspark"):

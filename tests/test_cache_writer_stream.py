@@ -172,7 +172,7 @@ def test_cache_actor_overlaps_a_shard_write_with_the_next_prefill_and_propagates
         return SimpleNamespace(num_samples=2, num_tokens=10, total_bytes=100)
 
     actor = object.__new__(ShardPrefillWriter)  # the target and the cache root are stand-ins
-    actor.emit, actor.writer_id = False, "w"
+    actor.emit, actor.writer_id, actor.shard_delay_s = False, "w", 0.0
     actor._prefill_lock, actor._write_lock = threading.Lock(), threading.Lock()
     actor._fill = lambda work: timed("prefill", work["shard"])
     actor._quarantine = lambda shard, work: {}
@@ -213,7 +213,7 @@ def test_a_retried_call_of_a_committed_shard_returns_its_record_without_a_second
         raise ShardAlreadyCommittedError(f"shard {shard} already committed")
 
     actor = object.__new__(ShardPrefillWriter)
-    actor.emit, actor.writer_id = False, "w"
+    actor.emit, actor.writer_id, actor.shard_delay_s = False, "w", 0.0
     actor._prefill_lock, actor._write_lock = threading.Lock(), threading.Lock()
     actor._fill = lambda work: prefills.append(work["shard"])
     actor._quarantine = lambda shard, work: {}

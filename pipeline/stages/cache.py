@@ -172,6 +172,7 @@ class ShardPrefillWriter:
         model, _, _ = load_target(cfg.target, "cuda" if cuda else "cpu")
         self.prefill = TargetPrefill(model, cfg.target.target_layer_ids)
         self.cfg, self.fingerprint, self.emit, self.write = cfg, fingerprint, emit, write
+        self.shard_delay_s = cfg.cache.shard_delay_s
         self.root_url = root_url
         self.root = open_cache(root_url, fingerprint, create=False, storage=storage) if write else None
         self.local_dir = local_dir or resolve_target_path(cfg.target.path)
@@ -241,8 +242,8 @@ class ShardPrefillWriter:
         with self._prefill_lock:
             t0 = time.perf_counter()
             buffer = self._fill(work)
-            if self.cfg.cache.shard_delay_s:  # a shard in flight for a known time (tests/test_cluster_faults.py)
-                time.sleep(self.cfg.cache.shard_delay_s)
+            if self.shard_delay_s:  # a shard in flight for a known time (tests/test_cluster_faults.py)
+                time.sleep(self.shard_delay_s)
             prefill_s = time.perf_counter() - t0
         with self._write_lock:
             t1 = time.perf_counter()
