@@ -137,7 +137,7 @@ def references(cfg, paths, folded: float | None) -> dict:
     ref["dflash.acceptance"] = torch.tensor(dflash_acceptance(
         target, dflash, cfg.target.target_layer_ids, [ref[f"prompt.{i}"] for i in range(len(rows))],
         [ref[f"greedy.{i}"] for i in range(len(rows))]))
-    model = load_trained_drafter(cfg, "dspark", str(paths.target_dir))
+    model = load_trained_drafter(cfg, "dspark", str(paths.target_dir), calibrated=True)  # the head export ships
     g = torch.Generator().manual_seed(0)
     V, H = model.embed_tokens.num_embeddings, model.fc.out_features
     prev = torch.randint(0, V, (16,), generator=g)
