@@ -1,4 +1,5 @@
-"""``python -m ops <command> ...`` (console script ``ops``): inspect, verify and repair target caches.
+"""``python -m ops <command> ...`` (console script ``ops``): inspect, verify and repair target caches;
+plan a run; publish an export.
 
 Commands work on any fsspec URL or path (``s3://bucket/run/cache``, ``/data/run/cache``) and are
 read-only except ``gc --yes``. Each prints a human view, or JSON with ``--json``. Exit codes:
@@ -14,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cache_schema import CacheError, CacheNotFoundError
-from ops import compare, estimate, listing, plan, repair, sample, verify
+from ops import compare, estimate, listing, plan, publish, repair, sample, verify
 from ops.common import UsageError
 from ops.report import to_json
 from ops.verify import VerifyInterrupted
@@ -111,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("diff", "compare two caches by sample id, content hash and shard checksums", url=False)
     p.add_argument("url_a", help="first cache root")
     p.add_argument("url_b", help="second cache root")
+    p = command("publish", "upload an export directory with its model card to the Hugging Face Hub", url=False)
+    p.add_argument("export", help="the export directory: <run_dir>/export/<drafter> (path or fsspec URL)")
+    p.add_argument("repo_id", help="the Hub repository, OWNER/NAME")
+    p.add_argument("--dry-run", action="store_true", help="list and check what would be uploaded; no network")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--revision", help="branch to upload to (default: main)")
     return parser
 
 
@@ -159,11 +166,13 @@ HANDLERS: dict[str, tuple[Handler, Callable[[dict[str, Any]], str]]] = {
     "estimate": (_estimate, estimate.render_estimate),
     "plan": (_plan, plan.render_plan),
     "diff": (lambda a: compare.diff(a.url_a, a.url_b), compare.render_diff),
+    "publish": (lambda a: publish.publish(a.export, a.repo_id, dry_run=a.dry_run, private=a.private,
+                                          revision=a.revision), publish.render_publish),
 }
 
 
 def _urls(a: argparse.Namespace) -> str:
-    return " / ".join(getattr(a, k) for k in ("url", "url_a", "url_b") if getattr(a, k, None)) or "storage"
+    return " / ".join(getattr(a, k) for k in ("url", "url_a", "url_b", "export") if getattr(a, k, None)) or "storage"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -141,6 +141,7 @@ class Optimizer(str, Enum):
 class DrafterInit(str, Enum):
     random = "random"  # Qwen3 init (the public recipes)
     target = "target"  # the backbone starts as the target's next layer (training.drafter.Drafter.init_from_target)
+    pretrained = "pretrained"  # a published drafter's weights (DrafterSpec.pretrained_path; pipeline.drafters)
 
 
 @dataclass
@@ -250,6 +251,9 @@ class DrafterSpec:
     confidence_calibration: str = "realised"
     draft_vocab_size: Optional[int] = None
     init: DrafterInit = DrafterInit.random
+    # init: pretrained: an export to fine-tune (a folder, any fsspec URL) in any format export writes (native =
+    # vLLM's, z-lab dflash's and SpecForge's layout; speculators); its layout must match this spec and the cache
+    pretrained_path: Optional[str] = None
 
 
 @dataclass
@@ -299,6 +303,11 @@ class TrainConfig:
     # live metrics: at most one rewrite of metrics.jsonl / upload of TensorBoard events per this many
     # seconds on object storage (local run_dirs append every step); always at checkpoints and the end
     metrics_flush_seconds: float = 30.0
+    # where rank 0's per-step metrics go (training.trackers): jsonl (required: resume and result.json read
+    # it), tensorboard, wandb (WANDB_MODE / WANDB_DIR / WANDB_API_KEY as W&B reads them), mlflow
+    # (MLFLOW_TRACKING_URI; default a file store under the local run_dir); wandb/mlflow: pip install -e '.[tracking]'
+    report_to: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    tracker_project: str = "dspark"  # the W&B project / MLflow experiment
 
 
 @dataclass
@@ -322,6 +331,9 @@ class CalibrateConfig:
 class ExportConfig:
     fold_temperature_tolerance: float = 0.02
     format: str = "native"  # native (vLLM, z-lab dflash, SpecForge) | speculators (pipeline.stages.export_format)
+    # the model card's licence (README.md metadata of each export, pipeline.model_card), e.g. apache-2.0 for a
+    # drafter of Qwen3; null: the card says it is not set
+    license: Optional[str] = None
 
 
 @dataclass
@@ -334,6 +346,18 @@ class SamplingConfig:
 
 
 @dataclass
+class PromptSetConfig:
+    """One named evaluation prompt set (``evaluate.prompt_sets.<task>``): a JSONL or Parquet file in a
+    public benchmark's layout (:mod:`pipeline.chats.prompt_sets`)."""
+
+    path: str = ""
+    format: str = "chat"  # mt_bench | gsm8k | humaneval | math500 | mbpp | field | chat
+    field: Optional[str] = None  # the prompt's column for format field (or to override a format's own)
+    max_prompts: Optional[int] = None  # the first usable rows; null = evaluate.num_prompts
+    match: Optional[dict[str, str]] = None  # {field: regex}: only rows whose fields match (re.search), e.g. {category: writing}
+
+
+@dataclass
 class EvaluateConfig:
     # the sampling settings every evaluate table is computed at; null = T=0, T=1 and the generate
     # stage's own setting (generate.temperature / top_p / top_k): evaluate_settings()
@@ -341,6 +365,9 @@ class EvaluateConfig:
     temperatures: Optional[list[float]] = None  # deprecated: plain temperatures, same as sampling without top-p/top-k
     max_new_tokens: int = 256
     num_prompts: int = 64
+    # named prompt sets, each a task of its own in every decoding-loop table (per task and macro-averaged);
+    # empty: the first num_prompts rows of data.eval_files, one task per file
+    prompt_sets: dict[str, PromptSetConfig] = field(default_factory=dict)
     thresholds: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.5, 0.7])
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64, 128, 256, 512])
     # the scheduler verifies the best fixed block where the SPS curve's speed at R tokens per step is
@@ -467,6 +494,34 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.train.keep_checkpoints is None or cfg.train.keep_checkpoints >= 1, "train.keep_checkpoints",
            f"must be >= 1, the newest committed checkpoints to keep, or null to keep all "
            f"(got {cfg.train.keep_checkpoints})")
+    for name, spec in cfg.train.drafters.items():
+        pre = spec.init == DrafterInit.pretrained
+        _check(pre == bool(spec.pretrained_path), f"train.drafters.{name}.pretrained_path",
+               "is required with init: pretrained (an export folder to fine-tune)" if pre
+               else f"is read only with init: pretrained (init is {spec.init.value})")
+        _check(not pre or spec.draft_vocab_size is None, f"train.drafters.{name}.draft_vocab_size",
+               "must be null with init: pretrained (a reduced vocabulary is built from this cache, not taken "
+               "from the published drafter)")
+    for task, ps in cfg.evaluate.prompt_sets.items():
+        _check(bool(ps.path), f"evaluate.prompt_sets.{task}.path", "is required (a JSONL or Parquet file)")
+        _check(ps.max_prompts is None or ps.max_prompts >= 1, f"evaluate.prompt_sets.{task}.max_prompts",
+               "must be >= 1 (or null for evaluate.num_prompts)")
+        try:
+            from pipeline.chats.prompt_sets import row_mapper
+
+            row_mapper(ps.format, ps.field, ps.match)
+        except ConfigError as e:
+            raise ConfigError(f"evaluate.prompt_sets.{task}.{e.args[0]}") from None
+    from training.trackers import TRACKERS
+
+    report = list(cfg.train.report_to)
+    _check(all(r in TRACKERS for r in report), "train.report_to", f"unknown {[r for r in report if r not in TRACKERS]}; "
+           f"use some of {list(TRACKERS)}")
+    _check("jsonl" in report, "train.report_to", "must keep jsonl: metrics.jsonl is the run's own record (resume "
+           "and result.json read it); add tensorboard, wandb or mlflow beside it")
+    _check("mlflow" not in report or "://" not in cfg.run_dir or cfg.run_dir.startswith("file://")
+           or bool(os.environ.get("MLFLOW_TRACKING_URI")), "train.report_to",
+           "lists mlflow with run_dir on object storage: set MLFLOW_TRACKING_URI (a tracking server or database)")
     _check(cfg.evaluate.block_samples >= 0, "evaluate.block_samples", "must be >= 0 (0 = no block-level evaluation)")
     _check(cfg.evaluate.block_anchors >= 1, "evaluate.block_anchors", "must be >= 1")
     _check(cfg.storage.max_attempts >= 1, "storage.max_attempts", "must be >= 1 (1 = no retries)")
@@ -545,6 +600,11 @@ def _absolute_paths(cfg: RunConfig) -> RunConfig:
     cfg.run_dir = absolute(cfg.run_dir)
     cfg.data.train_files = [absolute(f) for f in cfg.data.train_files]
     cfg.data.eval_files = [absolute(f) for f in cfg.data.eval_files]
+    for ps in cfg.evaluate.prompt_sets.values():
+        ps.path = absolute(ps.path)
+    for spec in cfg.train.drafters.values():
+        if spec.pretrained_path:
+            spec.pretrained_path = absolute(spec.pretrained_path)
     if cfg.evaluate.sps_table:
         cfg.evaluate.sps_table = absolute(cfg.evaluate.sps_table)
     if os.path.exists(os.path.expanduser(cfg.target.path)):

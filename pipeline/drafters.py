@@ -1,16 +1,20 @@
 """The run config's drafters as models: their :class:`training.drafter.DrafterConfig`, a fresh
-initialisation and the trained drafter of a run (what calibrate, export, evaluate and the
-benchmarks load)."""
+initialisation, a published drafter to start from (``init: pretrained``) and the trained drafter of a
+run (what calibrate, export, evaluate and the benchmarks load)."""
 from __future__ import annotations
 
 import torch
 
-from pipeline.config import DrafterSpec, RunConfig, SequentialHead, confidence_sampling
+from pipeline.config import DrafterInit, DrafterSpec, RunConfig, SequentialHead, confidence_sampling
 from pipeline.errors import MissingStageOutputError
 from storage import join
 
-__all__ = ["drafter_config", "build_drafter", "load_trained_drafter", "head_digest", "calibrated_head_url",
-           "save_calibrated_head", "apply_calibrated_head"]
+__all__ = ["drafter_config", "build_drafter", "pretrained_init_url", "prepare_pretrained", "load_trained_drafter",
+           "head_digest", "calibrated_head_url", "save_calibrated_head", "apply_calibrated_head"]
+
+# fields a published drafter must share with the configured one (its layout and the cache's features)
+PRETRAINED_FIELDS = ("target_layer_ids", "mask_token_id", "num_layers", "block_size", "sample_from_anchor",
+                     "markov_rank")
 
 
 def drafter_config(spec: DrafterSpec, cfg: RunConfig):
@@ -24,7 +28,67 @@ def drafter_config(spec: DrafterSpec, cfg: RunConfig):
         head_type="markov" if spec.head == SequentialHead.none else spec.head.value,
         confidence_head=spec.confidence_head, confidence_grad_to_backbone=spec.confidence_grad_to_backbone,
         **dict(zip(("confidence_temperature", "confidence_top_p", "confidence_top_k"), confidence_sampling(spec, cfg))),
-        num_anchors=cfg.train.num_anchors, draft_vocab_size=spec.draft_vocab_size, init=spec.init.value)
+        num_anchors=cfg.train.num_anchors, draft_vocab_size=spec.draft_vocab_size, init=spec.init.value,
+        init_path=None if spec.init != DrafterInit.pretrained else pretrained_init_url(cfg, _name(cfg, spec)))
+
+
+def _name(cfg: RunConfig, spec: DrafterSpec) -> str:
+    return next(n for n, s in cfg.train.drafters.items() if s is spec)
+
+
+def pretrained_init_url(cfg: RunConfig, name: str) -> str:
+    """Where the train stage keeps the weights a pretrained drafter starts from, in the drafter's own
+    parameter names: ``<run_dir>/train/<name>/init/model.safetensors`` (the checkpoint records this URL,
+    so export rebuilds the same starting point)."""
+    return join(cfg.run_dir, "train", name, "init", "model.safetensors")
+
+
+def prepare_pretrained(cfg: RunConfig, name: str, target_dir: str) -> dict:
+    """Read drafter ``name``'s ``pretrained_path`` (an export in any format the export stage writes:
+    native, i.e. vLLM's, z-lab ``dflash``'s and SpecForge's layout, or speculators), check it against the
+    configured drafter and the cache's captured layers, and write its trainable weights to
+    :func:`pretrained_init_url` for the training workers.
+
+    Returns:
+        ``{"source", "init_url", "tensors", "fresh": [modules the export does not hold, left as
+        initialised: the confidence head a DFlash export drops]}``.
+    Raises:
+        ConfigError: the export's layout differs from the config (every differing field, both values and
+            the key to set), or it carries a head the config does not have.
+        ExportError: an incomplete or unreadable export (:func:`pipeline.stages.export_format.load_export`).
+    """
+    from safetensors.torch import save
+
+    from pipeline.errors import ConfigError
+    from pipeline.stages.export_format import load_export
+    from storage import filesystem
+
+    spec = cfg.train.drafters[name]
+    theirs = load_export(spec.pretrained_path, target_dir)
+    want = drafter_config(spec, cfg)
+    diffs = [(f, getattr(theirs.config, f), getattr(want, f)) for f in PRETRAINED_FIELDS
+             if getattr(theirs.config, f) != getattr(want, f)]
+    if theirs.config.confidence_head and not want.confidence_head:
+        diffs.append(("confidence_head", True, False))
+    if diffs:
+        key = {"target_layer_ids": "target.target_layer_ids"}
+
+        def fmt(v):
+            return "[" + ",".join(map(str, v)) + "]" if isinstance(v, (list, tuple)) else str(v).lower() \
+                if isinstance(v, bool) else str(v)
+
+        said = "; ".join(f"{f}: the export has {fmt(a)}, the config says {fmt(b)} (set "
+                         f"{key.get(f, f'train.drafters.{name}.{f}')}={fmt(a)})" for f, a, b in diffs)
+        raise ConfigError(f"train.drafters.{name}.pretrained_path: {spec.pretrained_path} is another drafter: {said}; "
+                          "a cache of other target_layer_ids needs a new run_dir")
+    state = {k: v.detach().contiguous() for k, v in theirs.state_dict().items()
+             if k not in ("embed_tokens.weight", "lm_head.weight", "target_lm_head", "d2t")}
+    fresh = ["confidence_head"] if want.confidence_head and not theirs.config.confidence_head else []
+    url = pretrained_init_url(cfg, name)
+    fs, path = filesystem(url)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, save(state))
+    return {"source": spec.pretrained_path, "init_url": url, "tensors": len(state), "fresh": fresh}
 
 
 def build_drafter(spec: DrafterSpec, cfg: RunConfig, target_dir: str, d2t: torch.Tensor | None = None):

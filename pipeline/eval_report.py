@@ -5,6 +5,7 @@ writes its tables and plots; :mod:`pipeline.results` composes the run's one-scre
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from storage import filesystem
@@ -18,6 +19,40 @@ def write_bytes(url: str, data: bytes) -> None:
     fs, path = filesystem(url)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     fs.pipe_file(path, data)
+
+
+def tau_cell(m: dict[str, Any] | None) -> str:
+    """``"tau ± SE"`` of a metrics dict (``tau``, ``tau_se``), ``"-"`` without a tau."""
+    if not m or m.get("tau") is None:
+        return "-"
+    return f"{m['tau']:.3f}" + ("" if m.get("tau_se") is None else f" ± {m['tau_se']:.3f}")
+
+
+def macro_average(tasks: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Unweighted mean of per-task tau (the DSpark paper's Table 1 "average" column) and its standard
+    error, ``sqrt(sum_t SE_t^2) / n`` (tasks are disjoint prompt sets, so their errors are independent);
+    the SE is None when a task has none (fewer than 2 prompts). None without a task that has rounds."""
+    rows = [m for m in tasks.values() if m.get("rounds")]
+    if not rows:
+        return None
+    ses = [m.get("tau_se") for m in rows]
+    se = None if any(s is None for s in ses) else math.sqrt(sum(s * s for s in ses)) / len(rows)
+    return {"tau": sum(m["tau"] for m in rows) / len(rows), "tau_se": se, "tasks": len(rows)}
+
+
+def task_table(results: dict[str, Any]) -> list[str]:
+    """Markdown lines (a blank line first; none with a single task): tau ± SE per task for each sampling
+    setting and drafter, and the macro average over tasks (:func:`macro_average`)."""
+    tasks = sorted({t for res in results.values() for r in res["drafters"].values() for t in r["tasks"]})
+    if len(tasks) < 2:
+        return []
+    lines = ["", "tau per task (± SE, prompts as clusters) and the macro average over tasks (± SE):", "",
+             "| T | drafter | " + " | ".join(tasks) + " | macro |", "|---|---|" + "---|" * (len(tasks) + 1)]
+    for key, res in results.items():
+        for name, r in res["drafters"].items():
+            cells = [tau_cell(r["tasks"][t]) if r["tasks"].get(t, {}).get("rounds") else "-" for t in tasks]
+            lines.append(f"| {key[2:]} | {name} | " + " | ".join(cells) + f" | {tau_cell(macro_average(r['tasks']))} |")
+    return lines
 
 
 def tau_table(results: dict[str, Any], scheduler: dict[str, Any]) -> str:
@@ -39,13 +74,7 @@ def tau_table(results: dict[str, Any], scheduler: dict[str, Any]) -> str:
             ratios.append(f"{key}: {d['dspark']['overall']['tau'] / d['dflash']['overall']['tau']:.3f}")
     if ratios:
         lines += ["", "tau ratio DSpark / DFlash: " + ", ".join(ratios)]
-    tasks = sorted({t for res in results.values() for r in res["drafters"].values() for t in r["tasks"]})
-    if len(tasks) > 1:
-        lines += ["", "| T | drafter | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
-        for key, res in results.items():
-            for name, r in res["drafters"].items():
-                cells = [f"{r['tasks'][t]['tau']:.3f}" if t in r["tasks"] else "-" for t in tasks]
-                lines.append(f"| {key[2:]} | {name} | " + " | ".join(cells) + " |")
+    lines += task_table(results)
     curves = {"cpu": "the measured SPS curve", "h200_model": "the H200 roofline model of Qwen3-4B"}
     for key, per_drafter in scheduler.items():
         for name, by_curve in per_drafter.items():

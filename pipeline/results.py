@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.config import RenderConfig
+from pipeline.eval_report import task_table, tau_cell
 from pipeline.chats.render import thinking_mode
 from storage import join, read_json
 
@@ -19,14 +20,9 @@ def _read(url: str) -> dict[str, Any] | None:
         return None
 
 
-def _tau_cell(overall: dict[str, Any]) -> str:
-    se = overall.get("tau_se")
-    return f"{overall['tau']:.3f}" + ("" if se is None else f" ± {se:.3f}")
-
-
 def results_table(run_dir: str, stages: dict[str, dict[str, Any]]) -> str:
-    """Markdown: decoding-loop tau per drafter at each temperature with the DSpark/DFlash ratio, the
-    paired block-level table, the held-out learning curves' end points, ECE before/after STS per
+    """Markdown: decoding-loop tau per drafter at each temperature with the DSpark/DFlash ratio, per task
+    with the macro average (when the prompts form several tasks), the paired block-level table, the held-out learning curves' end points, ECE before/after STS per
     position, cache bytes per token, and every stage's time."""
     lines = [f"# Results of {run_dir}", ""]
     ev = stages.get("evaluate") or _read(join(run_dir, "evaluate", "summary.json"))
@@ -38,12 +34,13 @@ def results_table(run_dir: str, stages: dict[str, dict[str, Any]]) -> str:
         names = sorted({n for r in ev["results"].values() for n in r["drafters"]})
         lines += ["| drafter | " + " | ".join(f"tau {t}" for t in temps) + " |", "|---|" + "---|" * len(temps)]
         for n in names:
-            cells = [_tau_cell(ev["results"][t]["drafters"][n]["overall"]) for t in temps]
+            cells = [tau_cell(ev["results"][t]["drafters"][n]["overall"]) for t in temps]
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
         if {"dspark", "dflash"} <= set(names):
             ratio = [ev["results"][t]["drafters"]["dspark"]["overall"]["tau"]
                      / ev["results"][t]["drafters"]["dflash"]["overall"]["tau"] for t in temps]
             lines.append("| DSpark / DFlash | " + " | ".join(f"{r:.3f}" for r in ratio) + " |")
+        lines += task_table(ev["results"])
         lines.append("")
     if ev and ev.get("blocks"):
         b = ev["blocks"]

@@ -193,12 +193,14 @@ def stage_names(cfg: RunConfig) -> list[str]:
 def input_keys(cfg: RunConfig, names: Sequence[str]) -> list[str]:
     """The input-file keys the stages ``names`` read: ``data.train_files`` for generate and cache
     (and for train when it prefills itself, ``train.features`` online or hybrid), ``data.eval_files``
-    for evaluate. Calibrate and export, and train on a cache, read only what earlier stages wrote."""
+    for evaluate (``evaluate.prompt_sets.<task>.path`` instead when prompt sets are set). Calibrate and
+    export, and train on a cache, read only what earlier stages wrote."""
     keys = []
     if {"generate", "cache"} & set(names) or ("train" in names and cfg.train.features != FeatureMode.cache):
         keys.append("data.train_files")
     if "evaluate" in names:
-        keys.append("data.eval_files")
+        keys += ([f"evaluate.prompt_sets.{t}.path" for t in cfg.evaluate.prompt_sets] if cfg.evaluate.prompt_sets
+                 else ["data.eval_files"])
     return keys
 
 
@@ -239,6 +241,9 @@ def check_inputs(cfg: RunConfig, names: Sequence[str]) -> None:
         ConfigError: the first offending key and file (:func:`check_input_file`), or an empty list.
     """
     for key in input_keys(cfg, names):
+        if key.startswith("evaluate.prompt_sets."):
+            check_input_file(key, cfg.evaluate.prompt_sets[key.split(".")[2]].path)
+            continue
         files = getattr(cfg.data, key.split(".", 1)[1])
         if not files:
             raise ConfigError(f"{key}: is empty, but +stage={cfg.stage.value} reads it; list the chat files "
@@ -273,6 +278,11 @@ def run_stages(cfg: RunConfig) -> dict[str, dict[str, Any]]:
         summary["seconds"] = round(time.perf_counter() - t0, 3)
         write_json(join(cfg.run_dir, name, "summary.json"), summary)
         summaries[name] = summary
+        if name in ("export", "evaluate"):  # the export's model card, from the records written so far
+            from pipeline.model_card import write_model_cards
+
+            for drafter, url in write_model_cards(cfg).items():
+                log.info("model card of %s: %s/README.md", drafter, url)
         log.info("stage %s: done in %.1f s", name, summary["seconds"])
     if cfg.stage == Stage.all and summaries:
         from pipeline.eval_report import write_text

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load
 
+from ops.__main__ import main as ops_main
 from pipeline.embedded.build import BuildSpec, ensure_embedded
 from pipeline.embedded.target import TargetSpec
 from pipeline.stages.export_format import check_tensors, expected_tensors
@@ -39,12 +40,17 @@ REDUCED = ["generate.max_rows=48", "generate.rows_per_shard=16", "generate.max_n
            "train.optimizer=adamw"]
 
 
-def test_all_stages_on_s3(tmp_path, s3_url):
+def test_all_stages_on_s3(tmp_path, s3_url, capsys):
     paths = ensure_embedded(tmp_path / "home", SPEC)
     run_dir = f"{s3_url}/run"
+    gsm8k = tmp_path / "gsm8k.jsonl"  # two questions in GSM8K's layout: a second task of the decoding loop
+    gsm8k.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in
+                             ("Write a Python function that adds two numbers.", "How do I read a file line by line?")))
+    tasks = ["~evaluate.prompt_sets", f"+evaluate.prompt_sets.stdlib.path={paths.heldout_chats}", "+evaluate.prompt_sets.stdlib.max_prompts=2",
+             f"+evaluate.prompt_sets.gsm8k.path={gsm8k}", "+evaluate.prompt_sets.gsm8k.format=gsm8k"]
     cmd = [sys.executable, "-m", "pipeline.run", "+stage=all", str(DEFAULT_CONFIG), f"run_dir={run_dir}",
            f"target.path={paths.target_dir}", f"data.train_files=[{paths.train_chats}]",
-           f"data.eval_files=[{paths.heldout_chats}]", *REDUCED]
+           f"data.eval_files=[{paths.heldout_chats}]", *REDUCED, *tasks, "export.license=apache-2.0"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
                        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -99,5 +105,24 @@ def test_all_stages_on_s3(tmp_path, s3_url):
             tensors = load(f.read())
         check_tensors(tensors, expected_tensors(config))  # complete, right shapes, trained
         assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
+    # per task: the two prompt sets, each in every table; the model card states the evaluate stage's figures
+    assert s["evaluate"]["tasks"] == {"stdlib": 2, "gsm8k": 2}
+    assert "| T | drafter | gsm8k | stdlib | macro |" in fs.cat(join(run_dir, "evaluate", "tau_table.md")).decode()
+    for name in ("dflash", "dspark"):
+        export = s["export"]["drafters"][name]["path"]
+        facts = read_json(join(export, "training_summary.json"))
+        card = fs.cat(join(export, "README.md")).decode()
+        assert card.startswith("---\n") and "license: apache-2.0" in card
+        assert facts["data"]["cache"]["tokens"] == s["cache"]["tokens"]
+        assert facts["recipe"]["steps"] == s["train"]["drafters"][name]["steps"]
+        for setting in facts["evaluation"]:
+            measured = s["evaluate"]["results"][setting["setting"]]["drafters"][name]["tasks"]
+            assert {t: m["tau"] for t, m in setting["tasks"].items()} == {t: m["tau"] for t, m in measured.items()}
+            assert setting["macro"]["tau"] == pytest.approx(sum(m["tau"] for m in measured.values()) / 2)
+            row = f"| {setting['setting']} | {setting['tasks']['gsm8k']['tau']:.3f}"
+            assert row in card, (row, card)
+    assert ops_main(["publish", s["export"]["drafters"]["dspark"]["path"], "me/tiny-dspark", "--dry-run", "--json"]) == 0
+    listed = {f["file"] for f in json.loads(capsys.readouterr().out)["files"]}
+    assert {"README.md", "training_summary.json", "config.json", "model.safetensors"} <= listed
     table = fs.cat(join(run_dir, "results.md")).decode()
     assert "DSpark / DFlash" in table and "bytes/token" in table and "| evaluate |" in table

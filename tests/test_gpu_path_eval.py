@@ -55,7 +55,8 @@ def _assert_same(old_tally, new_tally, old_rec, new_rec):
 @pytest.mark.parametrize("chunk_blocks", [4, 10_000])
 def test_chunked_block_evaluation_gives_the_unchunked_outcomes(chunk_blocks):
     """Every drafter kind (Markov + confidence head, DFlash, control, reduced draft vocabulary) at
-    T = 0 and 1 over two batches: the same taus, per-slot counts and records as the pre-#35 code."""
+    T = 0 and 1 over two batches: the same taus, per-slot counts and records as the pre-#35 code
+    (teacher-forced, as that code was; the sequential drafting is compared in tests/test_block_eval.py)."""
     from training.block_runner import evaluate_blocks
 
     drafters = _drafters(V_SMALL)
@@ -63,7 +64,7 @@ def test_chunked_block_evaluation_gives_the_unchunked_outcomes(chunk_blocks):
     kw = dict(temperatures=[0.0, 1.0], num_anchors=9, seed=5)
     old_rec, new_rec = {}, {}
     old = bench.legacy_evaluate_blocks(drafters, batches, records=old_rec, **kw)
-    new = evaluate_blocks(drafters, batches, records=new_rec, chunk_blocks=chunk_blocks, **kw)
+    new = evaluate_blocks(drafters, batches, records=new_rec, chunk_blocks=chunk_blocks, sequential=False, **kw)
     _assert_same(old, new, old_rec, new_rec)
     tau = new.values("dspark", 1.0, "tau")
     assert tau.numel() == 27 and 1.2 < float(tau.mean()) < 6  # non-trivial outcomes: blocks accept drafts

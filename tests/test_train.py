@@ -1,4 +1,5 @@
 """Train stage: Ray Train + DeepSpeed ZeRO on CPU, DDP cross-check, exact resume, refusals."""
+import glob
 import json
 import os
 import signal
@@ -203,9 +204,12 @@ def test_zero2_loss_falls_and_matches_ddp(cached_run, tiny_target_dir, tmp_path)
 @pytest.mark.integration
 def test_kill_and_resume_continues_at_next_step(cached_run, tiny_target_dir, tmp_path):
     """SIGKILL the CLI after checkpoint step 4; the rerun continues at step 5 and ends with the
-    weights of an uninterrupted run (same samples, same anchors, same optimizer state)."""
+    weights of an uninterrupted run (same samples, same anchors, same optimizer state). Both attempts
+    report to W&B (offline) and MLflow (file store): one tracker run across them, every step in it."""
     root, data = cached_run
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "DS_ACCELERATOR": "cpu"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true"}
+    env.pop("MLFLOW_TRACKING_URI", None)
 
     def cli(run_dir):
         run_dir.mkdir()
@@ -213,7 +217,7 @@ def test_kill_and_resume_continues_at_next_step(cached_run, tiny_target_dir, tmp
         args = ["+stage=train", str(DEFAULT_CONFIG), f"target.path={tiny_target_dir}", f"run_dir={run_dir}",
                 f"data.train_files=[{data}]", "generate.enabled=false", "cache.rows_per_shard=20",
                 "data.min_loss_tokens=1", *TRAIN, "train.max_steps=10", "train.checkpoint_every_steps=2",
-                "ray.num_cpus=2"]
+                "ray.num_cpus=2", "train.report_to=[jsonl,tensorboard,wandb,mlflow]"]
         return [sys.executable, "-m", "pipeline.run", *args]
 
     killed, full = tmp_path / "killed", tmp_path / "full"
@@ -238,9 +242,35 @@ def test_kill_and_resume_continues_at_next_step(cached_run, tiny_target_dir, tmp
     full_steps, full_losses = _losses(full)
     assert full_steps == list(range(1, 11))
     torch.testing.assert_close(torch.tensor(losses[-len(resumed):]), torch.tensor(full_losses[ckpt_step:]))
+    _check_trackers(killed / "train/dspark", dict(zip(steps, losses)), ckpt_step)
     a = load_file(killed / "train/dspark/checkpoints/step-000010/drafter.safetensors")
     b = load_file(full / "train/dspark/checkpoints/step-000010/drafter.safetensors")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def _check_trackers(train: Path, losses: dict[int, float], resumed_step: int) -> None:
+    """The killed and the resumed attempt logged into one W&B run and one MLflow run; each step's last
+    value there is metrics.jsonl's (a step the killed attempt logged past its checkpoint is logged again).
+    W&B's own process may die with the killed attempt before writing its last records: only the resumed
+    attempt's steps must all be in its offline files."""
+    from mlflow.tracking import MlflowClient
+    from test_trackers import wandb_history
+
+    client = MlflowClient(tracking_uri=f"file://{train}/mlruns")
+    runs = client.search_runs([client.get_experiment_by_name("dspark").experiment_id])
+    assert len(runs) == 1 and runs[0].data.params["drafter.block_size"] == "7"
+    history = {}
+    for m in sorted(client.get_metric_history(runs[0].info.run_id, "train.loss"), key=lambda m: m.timestamp):
+        history[m.step] = m.value
+    assert history == pytest.approx(losses)
+    attempts = sorted(glob.glob(f"{train}/wandb/offline-run-*"))
+    assert len(attempts) == 2 and len({a.rsplit("-", 1)[1] for a in attempts}) == 1  # one run id, resumed
+    logged = {}
+    for a in attempts:
+        for h in wandb_history(a):
+            logged[h["_step"]] = h["train/loss"]
+    assert set(range(resumed_step + 1, 11)) <= set(logged)
+    assert logged == pytest.approx({k: losses[k] for k in logged})
 
 
 @pytest.mark.integration
@@ -351,3 +381,36 @@ def test_later_stages_refuse_a_config_that_disagrees_with_the_checkpoint(cached_
     (run_dir / "train/dspark/checkpoints/step-000002/COMMITTED.json").write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match="records no model config"):
         run_export(_cfg(tiny_target_dir, run_dir, data, *base))
+
+
+@pytest.mark.integration
+def test_training_continues_from_a_published_drafter(cached_run, tiny_target_dir, tmp_path):
+    """init: pretrained through the train stage (Ray Train + ZeRO-2): one step at a tiny learning rate
+    leaves every trainable weight within a step of the published drafter's, far from a fresh start."""
+    from pipeline.drafters import build_drafter
+    from pipeline.stages.export_format import export_drafter
+    from pipeline.stages.train import run_train
+
+    root, data = cached_run
+    cfg = _cfg(tiny_target_dir, tmp_path / "pub", data)
+    torch.manual_seed(11)
+    published = build_drafter(cfg.train.drafters["dspark"], cfg, tiny_target_dir)
+    with torch.no_grad():
+        for p in published.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    export_drafter(published, tiny_target_dir, str(tmp_path / "export"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "cache").symlink_to(root / "run" / "cache")
+    s = run_train(_cfg(tiny_target_dir, run_dir, data, "train.drafters.dspark.init=pretrained",
+                       f"train.drafters.dspark.pretrained_path={tmp_path / 'export'}", "train.optimizer=adamw",
+                       "train.lr=1e-6", "train.warmup_ratio=0", "train.max_steps=1", "train.checkpoint_every_steps=1"))
+    assert s["drafters"]["dspark"]["pretrained"]["source"] == str(tmp_path / "export")
+    trained = load_file(run_dir / "train/dspark/checkpoints/step-000001/drafter.safetensors")
+    mine = {k: v for k, v in published.state_dict().items() if k in trained}
+    assert len(mine) == len(trained) > 5
+    fresh = build_drafter(cfg.train.drafters["dspark"], cfg, tiny_target_dir).state_dict()
+    for k, v in trained.items():
+        assert (v - mine[k]).abs().max() < 1e-4, k  # one AdamW step of 1e-6 from the published weights
+        assert (v - fresh[k]).abs().max() > 1e-2, k  # and not where a fresh drafter starts

@@ -29,7 +29,7 @@ import torch
 
 from training.spec_sampling import Sampling, temperature_probs
 
-__all__ = ["ENTROPY_BINS", "block_uniforms", "speculative_outcomes", "paired_ratio", "PairedTally",
+__all__ = ["ENTROPY_BINS", "block_uniforms", "speculative_outcomes", "draw_tokens", "paired_ratio", "PairedTally",
            "summarise", "format_table"]
 
 ENTROPY_BINS: tuple[tuple[float, float], ...] = ((0.0, 0.5), (0.5, 1.5), (1.5, 3.0), (3.0, math.inf))
@@ -128,17 +128,13 @@ def speculative_outcomes(q_logits: torch.Tensor, p_logits: torch.Tensor, valid: 
         ent_logits = p_logits[:, 0].to(dt)
     else:
         q, p = temperature_probs(q_logits.to(dt), temperature), temperature_probs(p_logits.to(dt), temperature)
-        cdf = q.cumsum(-1)
-        target = u_draw[:, :gamma].to(dev, dt) * cdf[..., -1]
-        tokens = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
-        last_pos = V - 1 - (q > 0).flip(-1).long().argmax(-1)  # rounding guard when target >= cdf[-1]
-        tokens = torch.where(tokens >= V, last_pos, tokens)
+        tokens = _inverse_cdf(q, u_draw[:, :gamma].to(dev, dt))
         q_x = q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         p_x = p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         accept = u_accept[:, :gamma].to(dev, dt) * q_x < p_x
         c_star = torch.minimum(p, q).sum(-1).double().clamp(0, 1)
         ent_logits = p_logits[:, 0].to(dt) / temperature
-        del q, p, cdf
+        del q, p
     ok = accept & valid
     before = torch.cat([torch.ones(N, 1, dtype=torch.long, device=dev), ok.long().cumprod(-1)[:, :-1]], 1)
     reached = valid & before.bool()
@@ -150,6 +146,26 @@ def speculative_outcomes(q_logits: torch.Tensor, p_logits: torch.Tensor, valid: 
     return {"tokens": tokens, "accept": accept, "reached": reached, "accepted_at": accepted_at,
             "accepted": accepted, "tau": accepted.double() + 1, "c_star": c_star,
             "tau_expected": 1 + c_star.cumprod(-1).sum(-1), "target_entropy": entropy}
+
+
+def _inverse_cdf(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first index with ``cumsum(q) > u * sum(q)`` over the last dim of ``q`` [..., V] (so
+    ``q(x) > 0``), for ``u`` [...] in [0, 1); int64 [...]."""
+    cdf = q.cumsum(-1)
+    tokens = torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1)
+    last_pos = q.shape[-1] - 1 - (q > 0).flip(-1).long().argmax(-1)  # rounding guard when the target >= cdf[-1]
+    return torch.where(tokens >= q.shape[-1], last_pos, tokens)
+
+
+def draw_tokens(q_logits: torch.Tensor, u_draw: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The draft tokens :func:`speculative_outcomes` draws from ``q_logits`` [..., V] with uniforms
+    ``u_draw`` [...] at one setting: the argmax at T = 0, else the inverse CDF of the (truncated)
+    ``softmax(q_logits / T)``; int64 [...]. For drawing a block slot by slot (a sequential head fed the
+    token drawn at the slot before) with the same tokens as the one-shot draw."""
+    if temperature == 0:
+        return q_logits.argmax(-1)
+    dt = torch.float64 if q_logits.dtype == torch.float64 else torch.float32
+    return _inverse_cdf(temperature_probs(q_logits.to(dt), temperature), u_draw.to(q_logits.device, dt))
 
 
 def _mean_se(x: torch.Tensor) -> tuple[float, float]:

@@ -1,9 +1,15 @@
-"""Drafters on held-out cache blocks: teacher-forced logits, then paired speculative sampling.
+"""Drafters on held-out cache blocks: their logits, then paired speculative sampling.
 
 :func:`block_slots` lays out one drafter's blocks at given anchors and runs the drafter on the
 drafter's device; :func:`slot_logits` turns some of its supervised slots into the draft logits
 (backbone + sequential-head bias on the true previous token, DSpark sec. 3.1) and the target logits
-(frozen ``lm_head`` on the cached final hidden state). :func:`evaluate_blocks` runs every drafter on
+(frozen ``lm_head`` on the cached final hidden state). A drafter with a sequential head is then
+drafted slot by slot, as it is served (:func:`sequential_draft_logits`): the head of slot k is fed the
+token drawn at slot k - 1 (at each sampling setting, with that setting's uniforms), not the cached
+one, so a Markov or RNN drafter is not credited with a previous token it did not draw. The target's
+distribution stays the cached one (conditioned on the data's tokens), for every drafter alike: the
+block-level estimate stays an approximation of the decoding loop for DFlash and DSpark alike
+(docs/results.md measures the gap). :func:`evaluate_blocks` runs every drafter on
 the same anchors (drawn once per batch, independent of the drafters' layouts and block sizes) and
 hands the logits to :func:`training.block_eval.speculative_outcomes` with the same uniforms, so the
 comparison is paired.
@@ -25,12 +31,12 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from training.blocks import build_blocks, collate_samples, sample_anchors
-from training.block_eval import PairedTally, block_uniforms, speculative_outcomes
+from training.block_eval import PairedTally, block_uniforms, draw_tokens, speculative_outcomes
 from training.data import module_device, to_device
 from training.spec_sampling import Sampling, temperature_probs
 
-__all__ = ["EVAL_CHUNK_BLOCKS", "eval_drafter", "block_slots", "slot_logits", "chunked_outcomes",
-           "evaluate_blocks"]
+__all__ = ["EVAL_CHUNK_BLOCKS", "eval_drafter", "block_slots", "slot_logits", "sequential_draft_logits",
+           "chunked_outcomes", "evaluate_blocks"]
 
 BLOCK_EVAL_SEED = 104729  # anchors and uniforms of the block-level evaluation
 EVAL_CHUNK_BLOCKS = 16  # blocks whose [gamma, V] distributions are held at once
@@ -110,6 +116,42 @@ def slot_logits(model, slots, rows: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return logits.float(), p
 
 
+@torch.no_grad()
+def sequential_draft_logits(model, hidden: torch.Tensor, first_prev: torch.Tensor, valid: torch.Tensor,
+                            u_draw: torch.Tensor, setting) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft logits of whole blocks drawn slot by slot, as served (DSpark sec. 3.1): slot k's head is
+    fed ``x_{k-1}``, the token drawn at slot k - 1 with :func:`training.block_eval.draw_tokens` (the
+    anchor's teacher token at the first slot), so the draws of :func:`speculative_outcomes` on the
+    result are the tokens the head was fed.
+
+    Args:
+        model: a drafter with a sequential head. hidden: [c, gamma, H] backbone output of the blocks'
+            predicting slots (zeros past a block's valid prefix). first_prev: [c] int64 the first slot's
+            ``x_0``. valid: [c, gamma] bool. u_draw: [c, gamma] the blocks' draw uniforms.
+            setting: T >= 0 or a :class:`training.spec_sampling.Sampling`.
+    Returns:
+        ``(q_logits [c, gamma, V] float32 over the full target vocabulary (-inf outside a reduced
+        draft vocabulary; 0 past the valid prefix), confidence logits [c, gamma] float32 on
+        ``[h_k ; W1[x_{k-1}]]`` with the drawn ``x_{k-1}``, or None without a confidence head)``.
+    """
+    head, d2t = model.markov_head, model.draft_to_target
+    V = model.target_lm_head_weight.shape[0]
+    c, gamma = valid.shape
+    base = hidden @ model.lm_head.weight.t()
+    q = torch.zeros(c, gamma, V, device=hidden.device, dtype=torch.float32)
+    prev, state, prevs = first_prev.long(), None, []
+    for k in range(gamma):
+        u, state = head.step(state, prev, hidden[:, k])
+        row = (base[:, k] + head.bias(u)).float()
+        if d2t is not None:
+            row = row.new_full((c, V), float("-inf")).index_copy_(1, d2t, row)
+        q[:, k] = torch.where(valid[:, k, None], row, 0.0)
+        prevs.append(prev)
+        prev = draw_tokens(q[:, k], u_draw[:, k], setting)
+    conf = model.confidence(hidden, torch.stack(prevs, 1))
+    return q, None if conf is None else torch.where(valid, conf, 0.0)
+
+
 def _scatter(values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     out = values.new_zeros(shape)
     out[rows, slots] = values
@@ -119,13 +161,19 @@ def _scatter(values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, shap
 @torch.no_grad()
 def chunked_outcomes(model, slots, blocks: torch.Tensor, u_draw: torch.Tensor, u_accept: torch.Tensor,
                      temperatures: Sequence[float], *, chunk_blocks: int = EVAL_CHUNK_BLOCKS,
-                     max_q: bool = False) -> tuple[dict[float, dict[str, torch.Tensor]], torch.Tensor, torch.Tensor | None]:
+                     max_q: bool = False, sequential: bool = True
+                     ) -> tuple[dict[float, dict[str, torch.Tensor]], torch.Tensor, dict | None]:
     """Speculative-sampling outcomes of ``model``'s blocks ``blocks``, ``chunk_blocks`` at a time.
 
     Per chunk the dense draft / target logits [c, gamma, V] are laid out as a one-shot evaluation
     would (0 at slots past a block's supervised prefix), :func:`speculative_outcomes` runs per
-    temperature, and only :data:`KEPT` (plus ``max_q``) is kept. Peak memory ~ a few
-    ``chunk_blocks x gamma x V`` float32 tensors.
+    temperature, and only :data:`KEPT` (plus ``max_q``) is kept. With ``sequential`` (default) a drafter
+    with a sequential head has its draft logits (and confidence) redrawn slot by slot per setting
+    (:func:`sequential_draft_logits`) for every realised outcome (``tau``, ``accepted``, ``reached``,
+    ``max_q``, the confidence), while ``tau_expected`` stays the teacher-forced closed form, the training
+    and validation metric; without, every slot's head reads the cached previous token (teacher forcing,
+    the evaluation before it). Peak memory ~ a few ``chunk_blocks x gamma x V``
+    float32 tensors.
 
     Args:
         model: the drafter (block size gamma). slots: its :class:`training.losses.SupervisedSlots`.
@@ -134,9 +182,11 @@ def chunked_outcomes(model, slots, blocks: torch.Tensor, u_draw: torch.Tensor, u
         temperatures: sampling settings (T values or :class:`training.spec_sampling.Sampling`).
             chunk_blocks: blocks per chunk (>= 1). max_q: also return ``max_q`` [n, gamma] float32,
             the largest draft probability at the setting (top-k / top-p applied; ``softmax(q_logits)`` at T = 0).
+        sequential: draft a sequential head's blocks slot by slot (above).
     Returns:
-        ``({Sampling: {field: tensor}}, valid [n, gamma] bool, confidence [n, gamma] float32 or None)``, all
-        on the slots' device, rows in ``blocks``' order.
+        ``({Sampling: {field: tensor}}, valid [n, gamma] bool, {Sampling: confidence [n, gamma] float32} or
+        None)``, all on the slots' device, rows in ``blocks``' order (the confidence is the same tensor at
+        every setting unless drafted sequentially).
     Raises:
         ValueError: ``chunk_blocks < 1``; as :func:`speculative_outcomes`.
     """
@@ -147,8 +197,10 @@ def chunked_outcomes(model, slots, blocks: torch.Tensor, u_draw: torch.Tensor, u
     row_of = torch.full((slots.num_blocks,), -1, dtype=torch.long, device=dev)
     row_of[blocks.to(dev)] = torch.arange(n, device=dev)
     slot_row = row_of[slots.block]
+    seq = sequential and model.markov_head is not None and slots.prev_ids is not None
     outs: dict[Sampling, dict[str, list]] = {Sampling.of(T): {} for T in temperatures}
-    valids, confs = [], []
+    confs: dict[Sampling, list] = {Sampling.of(T): [] for T in temperatures}
+    valids = []
     for start in range(0, max(n, 1), chunk_blocks):  # one empty chunk when n = 0: empty outcomes
         stop = min(n, start + chunk_blocks)
         sel = ((slot_row >= start) & (slot_row < stop)).nonzero().squeeze(1)
@@ -158,25 +210,35 @@ def chunked_outcomes(model, slots, blocks: torch.Tensor, u_draw: torch.Tensor, u
         del q_rows, p_rows
         valid = _scatter(torch.ones_like(r, dtype=torch.bool), r, k, shape)
         valids.append(valid)
-        if slots.confidence_logits is not None:
-            confs.append(_scatter(slots.confidence_logits[sel].float(), r, k, shape))
+        conf = None if slots.confidence_logits is None else _scatter(slots.confidence_logits[sel].float(), r, k, shape)
+        if seq:
+            hidden = _scatter(slots.hidden[sel], r, k, (*shape, slots.hidden.shape[-1]))
+            first_prev = _scatter(slots.prev_ids[sel], r, k, shape)[:, 0]
         for T in temperatures:
             out = speculative_outcomes(q, p, valid, u_draw[start:stop], u_accept[start:stop], T)
+            q_T = q
+            if seq:  # realised outcomes of the sequential draft; tau_expected stays the teacher-forced closed form
+                q_T, conf = sequential_draft_logits(model, hidden, first_prev, valid, u_draw[start:stop], T)
+                out = {**speculative_outcomes(q_T, p, valid, u_draw[start:stop], u_accept[start:stop], T),
+                       "tau_expected": out["tau_expected"]}
             kept = {f: out[f] for f in KEPT}
             if max_q:
-                kept["max_q"] = (temperature_probs(q, T) if T > 0 else torch.softmax(q, dim=-1)).amax(-1)
+                kept["max_q"] = (temperature_probs(q_T, T) if T > 0 else torch.softmax(q_T, dim=-1)).amax(-1)
             for f, v in kept.items():
                 outs[Sampling.of(T)].setdefault(f, []).append(v)
+            if conf is not None:
+                confs[Sampling.of(T)].append(conf)
         del q, p
     cat = {T: {f: torch.cat(v) for f, v in d.items()} for T, d in outs.items()}
-    return cat, torch.cat(valids), torch.cat(confs) if confs else None
+    has_conf = slots.confidence_logits is not None
+    return cat, torch.cat(valids), {T: torch.cat(v) for T, v in confs.items()} if has_conf else None
 
 
 @torch.no_grad()
 def evaluate_blocks(drafters: Mapping[str, torch.nn.Module], batches: Iterable[Sequence[Mapping]], *,
                     temperatures: Sequence[float], num_anchors: int, seed: int = BLOCK_EVAL_SEED,
                     tally: PairedTally | None = None, records: dict | None = None,
-                    chunk_blocks: int = EVAL_CHUNK_BLOCKS) -> PairedTally:
+                    chunk_blocks: int = EVAL_CHUNK_BLOCKS, sequential: bool = True) -> PairedTally:
     """Paired block-level speculative sampling of every drafter on the same held-out blocks.
 
     Anchors (``sample_anchors``) and uniforms (:func:`block_uniforms`) are drawn on the CPU from
@@ -199,6 +261,8 @@ def evaluate_blocks(drafters: Mapping[str, torch.nn.Module], batches: Iterable[S
             draft probability, of ``softmax(q_logits / T)``, at T = 0 of ``softmax(q_logits)``),
             ``accepted`` [n], ``verified`` [n] (valid prefix length) and ``group`` [n] (batch index).
         chunk_blocks: blocks whose [gamma, V] distributions are held at once (:func:`chunked_outcomes`).
+        sequential: draft a sequential head's blocks slot by slot, its head fed the drawn tokens
+            (default; False: teacher forcing, the evaluation before, :func:`chunked_outcomes`).
     Returns:
         a :class:`training.block_eval.PairedTally` (summarise it with
         :func:`training.block_eval.summarise`).
@@ -222,14 +286,14 @@ def evaluate_blocks(drafters: Mapping[str, torch.nn.Module], batches: Iterable[S
             with_conf = records is not None and slots.confidence_logits is not None
             per_t, valid, conf = chunked_outcomes(model, slots, kept.to(dev), u_draw[:, :g].to(dev),
                                                   u_accept[:, :g].to(dev), temperatures,
-                                                  chunk_blocks=chunk_blocks, max_q=with_conf)
+                                                  chunk_blocks=chunk_blocks, max_q=with_conf, sequential=sequential)
             for T, out in per_t.items():
                 out = {f: v.cpu() for f, v in out.items()}
                 tally.add(name, T, out)
                 if with_conf:
                     rec = records.setdefault((name, T), {k: [] for k in ("z", "max_q", "accepted",
                                                                          "verified", "group")})
-                    rec["z"].append(conf.cpu())
+                    rec["z"].append(conf[T].cpu())
                     rec["max_q"].append(out["max_q"])
                     rec["accepted"].append(out["accepted"])
                     rec["verified"].append(valid.sum(-1).cpu())

@@ -35,7 +35,7 @@ __all__ = ["DrafterConfig", "DraftContext", "DraftResult", "Drafter", "resolve_a
            "FLEX_GRAPH_LIMIT"]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
-INIT_MODES = ("random", "target")
+INIT_MODES = ("random", "target", "pretrained")
 
 
 @dataclass
@@ -65,9 +65,13 @@ class DrafterConfig:
         attention: ``"sdpa"`` (dense mask), ``"flex"`` (BlockMask; compiled on CUDA at padded static
             shapes, :func:`training.blocks.static_shape`; on CPU eager and forward-only, as torch has
             no CPU flex backward) or ``"auto"`` (flex on CUDA, else sdpa).
-        init: how a fresh drafter starts: ``"random"`` (Qwen3 init, the public recipes) or
-            ``"target"`` (:meth:`Drafter.init_from_target`). Recorded; a training-time choice that
+        init: how a fresh drafter starts: ``"random"`` (Qwen3 init, the public recipes),
+            ``"target"`` (:meth:`Drafter.init_from_target`) or ``"pretrained"`` (the trainable weights
+            of ``init_path``, :meth:`Drafter.load_pretrained`). Recorded; a training-time choice that
             changes no layout, so later stages do not compare it.
+        init_path: with ``init="pretrained"``: a safetensors file of the drafter's own parameter
+            names (the train stage writes it from a published drafter:
+            :func:`pipeline.drafters.prepare_pretrained`).
     """
 
     target_layer_ids: Sequence[int]
@@ -86,6 +90,7 @@ class DrafterConfig:
     draft_vocab_size: int | None = None
     attention: str = "auto"
     init: str = "random"
+    init_path: str | None = None
 
     def __post_init__(self):
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
@@ -107,6 +112,9 @@ class DrafterConfig:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         if self.init not in INIT_MODES:
             raise ValueError(f"init must be one of {INIT_MODES}, got {self.init!r}")
+        if (self.init == "pretrained") != (self.init_path is not None):
+            raise ValueError("init 'pretrained' needs init_path (and only it takes one), got "
+                             f"init={self.init!r}, init_path={self.init_path!r}")
 
     @property
     def confidence_sampling(self) -> Sampling:
@@ -314,6 +322,32 @@ class Drafter(nn.Module):
         (``target_layer_ids[-1] + 1``)."""
         return self.config.target_layer_ids[-1] + 1
 
+    def load_pretrained(self, state: dict[str, torch.Tensor]) -> list[str]:
+        """Start from a published drafter's weights (``init="pretrained"``).
+
+        Args:
+            state: tensors by this drafter's parameter names (the frozen ``embed_tokens`` /
+                ``lm_head`` / ``target_lm_head`` and ``d2t`` are the target's and not read).
+        Returns:
+            the trainable parameters ``state`` does not hold, left as initialised (e.g. a confidence
+            head that a DFlash export drops).
+        Raises:
+            ValueError: a tensor this drafter has no parameter for, or one of another shape.
+        """
+        frozen = {"embed_tokens.weight", "lm_head.weight", "target_lm_head", "d2t"}
+        own = {k: v for k, v in self.state_dict().items() if k not in frozen}
+        unknown = sorted(set(state) - set(own) - frozen)
+        shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+                  if k in state and state[k].shape != v.shape]
+        if unknown or shapes:
+            raise ValueError(f"the pretrained drafter does not fit this one: no parameter for {unknown}; "
+                             f"other shapes: {shapes}")
+        with torch.no_grad():
+            for k, v in own.items():
+                if k in state:
+                    v.copy_(state[k].to(v.dtype))
+        return sorted(k for k in own if k not in state)
+
     @torch.no_grad()
     def init_from_target(self, layer_state: dict[str, torch.Tensor], final_norm: torch.Tensor) -> None:
         """Start the backbone as the target's next layer over its last captured feature.
@@ -430,8 +464,10 @@ class Drafter(nn.Module):
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids).to(self.fc.weight.dtype)
 
-    def _confidence(self, h: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor | None:
-        """Confidence logits [..., gamma] on ``[h_k ; W1[x_{k-1}]]`` (DSpark sec. 3.2.1)."""
+    def confidence(self, h: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor | None:
+        """Confidence logits [..., gamma] float32 on ``[h_k ; W1[x_{k-1}]]`` (DSpark sec. 3.2.1) from the
+        slots' backbone output ``h`` [..., gamma, H] and the ``x_{k-1}`` they follow ``prev_ids`` [..., gamma];
+        None without a confidence head."""
         if self.confidence_head is None:
             return None
         e = self.markov_head.embed(prev_ids) if self.markov_head is not None else None
@@ -491,13 +527,13 @@ class Drafter(nn.Module):
             x = self._block_layer(layer, x, ck, cv, cos_q, sin_q, mask)
         h = self.norm(x).view(B, Np, S, -1)[:, :N, S - gamma:]
         u = None if self.markov_head is None else self.markov_head.features(blocks.prev_ids, h)
-        conf = self._confidence(h, blocks.prev_ids)
+        conf = self.confidence(h, blocks.prev_ids)
         b, n, k = blocks.valid.nonzero(as_tuple=True)
         return SupervisedSlots(
             hidden=h[b, n, k], bias_features=None if u is None else u[b, n, k],
             confidence_logits=None if conf is None else conf[b, n, k], labels=blocks.labels[b, n, k],
             slot=k, block=b * N + n, target_hidden=batch.last_hidden[blocks.target_rows[b, n, k]],
-            num_blocks=B * N, block_size=gamma)
+            num_blocks=B * N, block_size=gamma, prev_ids=blocks.prev_ids[b, n, k])
 
     def loss(self, slots: SupervisedSlots, config: LossConfig, group=None, reduce: bool = True) -> LossOutput:
         """:func:`training.losses.drafter_loss` with this drafter's frozen heads and Markov ``W2`` (the
@@ -559,7 +595,7 @@ class Drafter(nn.Module):
         base = h.to(self.lm_head.weight.dtype) @ self.lm_head.weight.t()
         tokens, q, prev = sample_sequential(base, h, anchor, self.markov_head, temperature, generator,
                                             self.draft_to_target)
-        conf = self._confidence(h, prev)
+        conf = self.confidence(h, prev)
         max_q = q.amax(-1) if temperature > 0 else self._unscaled_max_q(base, h, prev)
         if self.draft_to_target is not None:
             full = q.new_zeros(1, gamma, self.embed_tokens.num_embeddings)

@@ -45,6 +45,9 @@ class TrainJob:
         stream_bound_bytes: the stream's object-store bound (reported next to the measured peak).
         metrics_flush_seconds: on object storage, the most frequent rewrite of ``metrics.jsonl`` and
             upload of TensorBoard events while the run goes (:class:`training.metrics_log.LiveMetrics`).
+        report_to: where rank 0's per-step metrics go: ``jsonl`` (always), ``tensorboard``, ``wandb``,
+            ``mlflow`` (:mod:`training.trackers`). tracker_project: the W&B project / MLflow experiment.
+        tracker_params: ``(key, value)`` pairs the trackers record as the run's config.
     """
 
     drafter: str
@@ -80,6 +83,9 @@ class TrainJob:
     muon_lr: float | None = None
     metrics_flush_seconds: float = 30.0
     keep_checkpoints: int | None = None
+    report_to: tuple[str, ...] = ("jsonl", "tensorboard")
+    tracker_project: str = "dspark"
+    tracker_params: tuple[tuple[str, str], ...] = ()
 
     def accumulation(self, world: int) -> int:
         """Micro-steps per optimizer step on each of ``world`` ranks."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem
 
 from storage import configure_storage, filesystem, join
 from training.job import TrainJob
@@ -42,7 +43,8 @@ def build_drafter_from(config, target_dir: str, d2t: torch.Tensor | None = None,
                        dtype: torch.dtype = torch.float32):
     """A freshly initialised drafter of a :class:`training.drafter.DrafterConfig` on the target
     (the frozen ``embed_tokens`` / ``lm_head`` read from ``target_dir``'s safetensors; with
-    ``config.init == "target"`` the backbone copied from the target, :meth:`Drafter.init_from_target`).
+    ``config.init == "target"`` the backbone copied from the target, :meth:`Drafter.init_from_target`;
+    ``"pretrained"``: the weights of ``config.init_path``, :meth:`Drafter.load_pretrained`).
 
     The frozen weights are cast once, to ``dtype``: the dtype the drafter computes in (bf16 for a
     bf16 DeepSpeed engine, whose cast then leaves them as they are; float32 for fp32 training and
@@ -74,6 +76,11 @@ def build_drafter_from(config, target_dir: str, d2t: torch.Tensor | None = None,
     model = Drafter(config, tc, embed, lm_head, d2t)
     if config.init == "target":
         model.init_from_target(*load_layer_init(target_dir, model.init_layer))
+    elif config.init == "pretrained":
+        from safetensors.torch import load
+
+        fs, path = filesystem(config.init_path)
+        model.load_pretrained(load(fs.cat_file(path)))
     return model
 
 
@@ -449,8 +456,9 @@ def train_worker(config: dict[str, Any]) -> None:
              "seed": job.seed,
              "model": model_record(engine.module.config), "cache_fingerprint": job.fingerprint,
              "reduced_vocabulary": d2t is not None, "features": job.features}
-    log = LiveMetrics(join(train_url, "metrics.jsonl"), pos.step, tensorboard_url=join(train_url, "tensorboard"),
-                      flush_seconds=job.metrics_flush_seconds) if rank == 0 else None
+    log = LiveMetrics(join(train_url, "metrics.jsonl"), pos.step,
+                      tensorboard_url=join(train_url, "tensorboard") if "tensorboard" in job.report_to else None,
+                      flush_seconds=job.metrics_flush_seconds, trackers=_trackers(job)) if rank == 0 else None
     bar = _progress(total, pos.step, name) if rank == 0 else None
     t_step, tokens, waited, last = time.perf_counter(), 0, 0.0, None
     timeline: list = []  # (produced_at, consumed_at, bytes) of every streamed row
@@ -522,6 +530,17 @@ def train_worker(config: dict[str, Any]) -> None:
                                   "features": job.features, "stream": stream,
                                   "consumed": consumed.state(pos.epoch, pos.micro),
                                   "checkpoint": join(train_url, "checkpoints")})
+
+
+def _trackers(job: TrainJob) -> list:
+    """Rank 0's experiment trackers of ``job.report_to`` (:func:`training.trackers.open_trackers`)."""
+    from training.trackers import open_trackers
+
+    fs, path = filesystem(job.output_url)
+    local = path if isinstance(fs, LocalFileSystem) else None
+    run_name = f"{job.output_url.rstrip('/').rsplit('/', 3)[-3]}/{job.drafter}"  # <run_dir name>/<drafter>
+    return open_trackers(job.report_to, project=job.tracker_project, run_name=run_name, run_key=job.output_url,
+                         params=dict(job.tracker_params), local_dir=local)
 
 
 def _write_outputs(job: TrainJob, log: LiveMetrics, result: dict[str, Any]) -> None:

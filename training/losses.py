@@ -98,6 +98,8 @@ class SupervisedSlots:
         block: [M] int64 flat block index in ``[0, num_blocks)``.
         target_hidden: [M, H] the target's final hidden state one position before each label.
         num_blocks: blocks in the batch (B * N). block_size: gamma.
+        prev_ids: [M] int64 the teacher-forced ``x_{k-1}`` each slot's head was fed (the anchor at the
+            first predicting slot), or None; the block-level evaluation redraws later slots from it.
     """
 
     hidden: torch.Tensor
@@ -109,6 +111,7 @@ class SupervisedSlots:
     target_hidden: torch.Tensor
     num_blocks: int
     block_size: int
+    prev_ids: torch.Tensor | None = None
 
 
 @dataclass

@@ -11,11 +11,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from fsspec.implementations.local import LocalFileSystem
 
 from storage import filesystem, join, read_or_none
+from training.trackers import Tracker, metric_tags, safe_log
 
 __all__ = ["LiveMetrics"]
 
@@ -33,6 +34,8 @@ class LiveMetrics:
       every float of a row as a scalar at ``global_step = step``: ``train/<key>``, and
       ``validation/<key>`` for ``val_<key>``. ``tensorboard --logdir <run_dir>/train`` shows every
       drafter, live for a local run_dir.
+    - ``trackers`` (:mod:`training.trackers`: W&B, MLflow): every row's floats under the same tags,
+      as each row is added.
 
     When:
 
@@ -57,7 +60,8 @@ class LiveMetrics:
     """
 
     def __init__(self, url: str, resumed_step: int = 0, *, tensorboard_url: str | None = None,
-                 flush_seconds: float = 30.0, clock: Callable[[], float] = time.monotonic):
+                 flush_seconds: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 trackers: Sequence[Tracker] = ()):
         self.fs, self.path = filesystem(url)
         self.url, self.flush_seconds, self.clock = url, float(flush_seconds), clock
         self.append = isinstance(self.fs, LocalFileSystem)
@@ -69,6 +73,7 @@ class LiveMetrics:
         self._flushed_at = -math.inf
         self._writer = self._events_fs = None
         self._uploaded: dict[str, int] = {}
+        self.trackers = list(trackers)
         if tensorboard_url is not None:
             self._open_tensorboard(tensorboard_url, resumed_step)
 
@@ -99,11 +104,11 @@ class LiveMetrics:
     def add(self, row: dict[str, Any]) -> None:
         """Record one optimizer step's row (it must carry ``step``); write it if due (see the class)."""
         self.rows.append(row)
+        tags = metric_tags(row)
         if self._writer is not None:
-            for k, v in row.items():
-                if isinstance(v, float):
-                    tag = f"validation/{k.removeprefix('val_')}" if k.startswith("val_") else f"train/{k}"
-                    self._writer.add_scalar(tag, v, row["step"])
+            for tag, v in tags.items():
+                self._writer.add_scalar(tag, v, row["step"])
+        safe_log(self.trackers, tags, row["step"])
         now = self.clock()
         due = now - self._flushed_at >= self.flush_seconds
         if not (due or self.append):
@@ -130,7 +135,14 @@ class LiveMetrics:
             self._upload_events()
 
     def close(self) -> None:
-        """Write everything (as :meth:`flush`) and close the TensorBoard writer; ``rows`` stay readable."""
+        """Write everything (as :meth:`flush`), close the TensorBoard writer and the trackers (a tracker
+        that fails to close is reported on stderr); ``rows`` stay readable."""
+        for t in self.trackers:
+            try:
+                t.close()
+            except Exception as e:  # noqa: BLE001 - a tracker never fails the run
+                print(f"warning: {type(t).__name__} did not close ({type(e).__name__}: {e})", file=sys.stderr)
+        self.trackers = []
         self._write_rows()
         if self._writer is not None:
             self._writer.close()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pyarrow.parquet as pq
 
@@ -47,6 +47,8 @@ REASONS = {
     "template_rewrites_content": "the chat template changes message text, so supervision cannot be located",
     "no_supervised_tokens": "no supervised token is left after truncation to max_length",
     "too_few_loss_tokens": "fewer supervised tokens than data.min_loss_tokens",
+    "missing_field": "the row lacks its prompt set's prompt field, or it is not text (pipeline.chats.prompt_sets)",
+    "not_in_set": "the row does not match its prompt set's match patterns (pipeline.chats.prompt_sets)",
 }
 
 # where an assistant turn's reasoning is read from, first present wins; normalised to the first name
@@ -159,16 +161,21 @@ def _row_id(obj: Any) -> str | None:
     return str(rid) if rid is not None else None
 
 
-def _parse(obj: Any, source: int, row: int, path: str, require_answer: bool) -> Chat | BadRow:
+RowMapper = Callable[[Any], Any]
+"""Turns a parsed row of another layout (a benchmark's question field) into a chat row, or raises RowError."""
+
+
+def _parse(obj: Any, source: int, row: int, path: str, require_answer: bool,
+           to_chat: RowMapper | None = None) -> Chat | BadRow:
     try:
-        msgs = normalize_messages(obj, require_answer=require_answer)
+        msgs = normalize_messages(obj if to_chat is None else to_chat(obj), require_answer=require_answer)
     except RowError as e:
         return BadRow(source, row, path, e.reason, e.detail, _row_id(obj))
     return Chat(msgs, source, row, path, _row_id(obj))
 
 
 def _iter_jsonl(fs, path: str, source: int, url: str, require_answer: bool,
-                span: "ShardSpan | None" = None) -> Iterator[Chat | BadRow]:
+                span: "ShardSpan | None" = None, to_chat: RowMapper | None = None) -> Iterator[Chat | BadRow]:
     with fs.open(path, "rb") as f:
         first = 0
         if span is not None:
@@ -192,7 +199,7 @@ def _iter_jsonl(fs, path: str, source: int, url: str, require_answer: bool,
             except json.JSONDecodeError as e:
                 yield BadRow(source, row, url, "invalid_json", f"{e.msg} (column {e.colno})")
                 continue
-            yield _parse(obj, source, row, url, require_answer)
+            yield _parse(obj, source, row, url, require_answer, to_chat)
 
 
 def _parquet(f, url: str) -> pq.ParquetFile:
@@ -204,7 +211,7 @@ def _parquet(f, url: str) -> pq.ParquetFile:
 
 
 def _iter_parquet(fs, path: str, source: int, url: str, require_answer: bool,
-                  span: "ShardSpan | None" = None) -> Iterator[Chat | BadRow]:
+                  span: "ShardSpan | None" = None, to_chat: RowMapper | None = None) -> Iterator[Chat | BadRow]:
     lo, hi = (span.row_start, span.row_end) if span is not None else (0, None)
     with fs.open(path, "rb") as f:
         pf = _parquet(f, url)
@@ -218,12 +225,12 @@ def _iter_parquet(fs, path: str, source: int, url: str, require_answer: bool,
                 if lo <= row and (hi is None or row < hi):
                     size = len(json.dumps(obj, default=str).encode())
                     yield (BadRow(source, row, url, "row_too_large", f"{size:,} bytes > {MAX_ROW_BYTES:,}")
-                           if size > MAX_ROW_BYTES else _parse(obj, source, row, url, require_answer))
+                           if size > MAX_ROW_BYTES else _parse(obj, source, row, url, require_answer, to_chat))
                 row += 1
 
 
 def iter_chats(url: str, source: int, *, require_answer: bool = True,
-               span: "ShardSpan | None" = None) -> Iterator[Chat | BadRow]:
+               span: "ShardSpan | None" = None, to_chat: RowMapper | None = None) -> Iterator[Chat | BadRow]:
     """Stream the chats of one JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``) file.
 
     Args:
@@ -231,6 +238,8 @@ def iter_chats(url: str, source: int, *, require_answer: bool = True,
         source: index of the file in the stage's input list (recorded as provenance).
         require_answer: see :func:`normalize_messages`.
         span: read only this span's rows (from :func:`plan_spans`); the whole file when None.
+        to_chat: maps each parsed row to a chat row first (rows in a benchmark's own layout:
+            :mod:`pipeline.chats.prompt_sets`); None reads chat rows.
 
     Yields:
         :class:`Chat` for good rows and :class:`BadRow` for skipped ones, in file order.
@@ -240,9 +249,9 @@ def iter_chats(url: str, source: int, *, require_answer: bool = True,
     """
     fs, path = _open_input(url)
     if url.endswith(".parquet"):
-        yield from _iter_parquet(fs, path, source, url, require_answer, span)
+        yield from _iter_parquet(fs, path, source, url, require_answer, span, to_chat)
     else:
-        yield from _iter_jsonl(fs, path, source, url, require_answer, span)
+        yield from _iter_jsonl(fs, path, source, url, require_answer, span, to_chat)
 
 
 def _open_input(url: str):

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.chats.ingest import Chat, iter_chats
+from pipeline.chats.ingest import Chat, RowError, iter_chats
 from pipeline.config import RunConfig, evaluate_settings
 from pipeline.chats.render import render_options, render_prompt, thinking_mode
 from pipeline.inference.speculate import (Decoded, device_generator, plain_decode, speculative_decode,
@@ -31,22 +31,49 @@ from storage import join, read_json
 from pipeline.paths import resolve_input
 
 
-def eval_prompts(cfg: RunConfig, tokenizer) -> list[tuple[str, list[int]]]:
-    """``(task, prompt ids)`` for the first ``evaluate.num_prompts`` usable rows of the eval files;
-    the task is the file's name without extension."""
+def prompt_sources(cfg: RunConfig) -> list[tuple[str, str, Any, int | None]]:
+    """``(task, file URL, row mapper, limit)`` of the decoding loop's prompts: each of
+    ``evaluate.prompt_sets`` (task = its name, limit its ``max_prompts`` or ``evaluate.num_prompts``),
+    else each of ``data.eval_files`` (task = the file's name without extension, limit None: the first
+    ``evaluate.num_prompts`` usable rows over all files)."""
+    from pipeline.chats.prompt_sets import row_mapper
+
+    if cfg.evaluate.prompt_sets:
+        return [(task, resolve_input(ps.path), row_mapper(ps.format, ps.field, ps.match),
+                 ps.max_prompts or cfg.evaluate.num_prompts)
+                for task, ps in cfg.evaluate.prompt_sets.items()]
+    return [(url.rsplit("/", 1)[-1].split(".")[0], url, None, None)
+            for url in (resolve_input(f) for f in cfg.data.eval_files)]
+
+
+def eval_prompts(cfg: RunConfig, tokenizer, skipped: dict[str, dict[str, int]] | None = None
+                 ) -> list[tuple[str, list[int]]]:
+    """``(task, prompt ids)`` of the decoding loop (:func:`prompt_sources`): a chat up to its first
+    answer, rendered with the target's template in ``data.render``'s mode; prompts of
+    ``data.max_length`` tokens or more are left out. ``skipped`` collects ``{task: {reason: rows}}`` of the
+    rows left out (bad rows with their ingest reason, ``too_long``)."""
     out: list[tuple[str, list[int]]] = []
-    for source, url in enumerate(resolve_input(f) for f in cfg.data.eval_files):
-        task = url.rsplit("/", 1)[-1].split(".")[0]
-        for item in iter_chats(url, source, require_answer=False):
-            if len(out) >= cfg.evaluate.num_prompts:
-                return out
-            if not isinstance(item, Chat):
-                continue
-            turns = list(item.messages)
-            first = next((i for i, m in enumerate(turns) if m["role"] == "assistant"), len(turns))
-            ids = render_prompt(tokenizer, turns[:first], cfg.data.render)
-            if len(ids) < cfg.data.max_length:
-                out.append((task, ids))
+    for source, (task, url, to_chat, limit) in enumerate(prompt_sources(cfg)):
+        kept = 0
+        for item in iter_chats(url, source, require_answer=False, to_chat=to_chat):
+            if (limit is None and len(out) >= cfg.evaluate.num_prompts) or (limit is not None and kept >= limit):
+                break
+            reason = item.reason if not isinstance(item, Chat) else None
+            if reason is None:
+                turns = list(item.messages)
+                first = next((i for i, m in enumerate(turns) if m["role"] == "assistant"), len(turns))
+                try:
+                    ids = render_prompt(tokenizer, turns[:first], cfg.data.render)
+                    reason = None if len(ids) < cfg.data.max_length else "too_long"
+                except RowError as e:
+                    reason = e.reason
+                if reason is None:
+                    out.append((task, ids))
+                    kept += 1
+                    continue
+            if skipped is not None:
+                counts = skipped.setdefault(task, {})
+                counts[reason] = counts.get(reason, 0) + 1
     return out
 
 
@@ -232,7 +259,7 @@ def evaluate_on_device(cfg: RunConfig) -> dict[str, Any]:
     Returns:
         a picklable dict: ``configs`` ({name: DrafterConfig}), ``blocks`` (or None), ``block_records``,
         ``results``, ``thresholds``, ``records`` ({("T=..", name): [Decoded]}), ``sps`` (SPSCurve),
-        ``prompts`` (count), ``tasks``, ``device``.
+        ``prompts`` (count), ``tasks`` ({task: prompts}), ``skipped_prompts`` ({task: {reason: rows}}), ``device``.
     Raises:
         PipelineError: no usable evaluation prompt. As ``load_trained_drafter`` / ``load_target``.
     """
@@ -251,9 +278,12 @@ def evaluate_on_device(cfg: RunConfig) -> dict[str, Any]:
     target_dir = resolve_target_path(cfg.target.path)  # drafters first: a config they refuse costs nothing
     drafters = {n: eval_drafter(load_trained_drafter(cfg, n, target_dir, calibrated=True), device, dtype) for n in cfg.train.drafters}
     model, tok, target_dir = load_target(cfg.target, device)
-    prompts = eval_prompts(cfg, tok)
+    skipped: dict[str, dict[str, int]] = {}
+    prompts = eval_prompts(cfg, tok, skipped)
     if not prompts:
-        raise PipelineError("no usable evaluation prompt in data.eval_files")
+        raise PipelineError("no usable evaluation prompt in "
+                            + ("evaluate.prompt_sets" if cfg.evaluate.prompt_sets else "data.eval_files")
+                            + f" (rows left out per task and reason: {skipped})")
     stop = stop_ids(model, tok)
     block_records: dict = {}
     blocks = block_level(cfg, drafters, target_dir, block_records) if cfg.evaluate.block_samples else None
@@ -292,7 +322,8 @@ def evaluate_on_device(cfg: RunConfig) -> dict[str, Any]:
     sps = SPSCurve.load(ev.sps_table) if ev.sps_table else profile_sps(model)
     return {"configs": {n: d.config for n, d in drafters.items()}, "blocks": blocks, "block_records": block_records,
             "results": results, "thresholds": thresholds, "records": records, "sps": sps, "prompts": len(prompts),
-            "tasks": sorted({t for t, _ in prompts}), "device": str(model.device)}
+            "tasks": {t: sum(1 for u, _ in prompts if u == t) for t in dict.fromkeys(t for t, _ in prompts)},
+            "skipped_prompts": skipped, "device": str(model.device)}
 
 
 def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
@@ -347,6 +378,7 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
     if confidence is not None:
         write_bytes(join(out_dir, "confidence.json"), json.dumps(confidence, indent=1).encode())
     return {"blocks": blocks, "realised": realised, "prompts": run["prompts"], "tasks": run["tasks"],
+            "skipped_prompts": run["skipped_prompts"],
             "render_options": render_options(cfg.data.render), "enable_thinking": cfg.data.render.enable_thinking,
             "results": results, "thresholds": run["thresholds"], "scheduler": scheduler,
             "settings": [T.to_dict() for T in evaluate_settings(cfg)], "confidence": confidence,

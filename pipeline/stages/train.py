@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pipeline.config import RunConfig
 from storage import filesystem, join, read_json, write_json
+
+log = logging.getLogger("pipeline.stages.train")
 
 
 def train_job(cfg: RunConfig, name: str, fingerprint_json: str, target_dir: str):
@@ -37,7 +40,23 @@ def train_job(cfg: RunConfig, name: str, fingerprint_json: str, target_dir: str)
         validate_every_steps=t.validate_every_steps, checkpoint_every_steps=t.checkpoint_every_steps,
         storage=cfg.storage, features=t.features.value, step_delay_s=t.step_delay_s,
         stream_bound_bytes=t.stream_memory_bytes if t.features.value != "cache" else None,
-        metrics_flush_seconds=t.metrics_flush_seconds, keep_checkpoints=t.keep_checkpoints)
+        metrics_flush_seconds=t.metrics_flush_seconds, keep_checkpoints=t.keep_checkpoints,
+        report_to=tuple(t.report_to), tracker_project=t.tracker_project, tracker_params=tracker_params(cfg, name))
+
+
+def tracker_params(cfg: RunConfig, name: str) -> tuple[tuple[str, str], ...]:
+    """What the experiment trackers record as a drafter run's config: the drafter's spec
+    (``drafter.<key>``), the training recipe (``train.<key>``, without the drafter table), the target and
+    the run_dir, flattened to strings."""
+    from pipeline.config import to_dict
+
+    d = to_dict(cfg)
+    train = {k: v for k, v in d["train"].items() if k != "drafters"}
+    flat = {**{f"drafter.{k}": v for k, v in d["train"]["drafters"][name].items()},
+            **{f"train.{k}": v for k, v in train.items()},
+            "target.path": cfg.target.path, "target.target_layer_ids": d["target"]["target_layer_ids"],
+            "run_dir": cfg.run_dir, "drafter": name}
+    return tuple((k, str(v)) for k, v in sorted(flat.items()))
 
 
 def ray_storage(run_dir: str, name: str) -> dict[str, Any]:
@@ -172,6 +191,8 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.errors import PipelineError
     from pipeline.stages.stream import data_config, stream_plan
     from training.data import split_shards
+    from pipeline.drafters import prepare_pretrained
+    from training.checkpoint import latest_checkpoint
     from training.loop import plan_steps, total_steps
 
     target_dir = resolve_target_path(cfg.target.path)
@@ -205,6 +226,11 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
     results = {name: _finished(job, total) for name, job in jobs.items()}
     if all(r is not None for r in results.values()):  # nothing to do: no Ray, no workers
         return {"drafters": results}
+    pretrained = {name: prepare_pretrained(cfg, name, target_dir) for name, job in jobs.items()
+                  if job.model.init == "pretrained" and latest_checkpoint(job.output_url) is None}
+    for name, info in pretrained.items():
+        log.info("train %s starts from %s (%d tensors; fresh: %s)", name, info["source"], info["tensors"],
+                 info["fresh"] or "none")
     init_ray(cfg.ray)
     root = None
     if mode == "hybrid":  # the cache the stream commits: same root, fingerprint and plan checks as +stage=cache
@@ -235,7 +261,7 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
     todo = [n for n, r in results.items() if r is None]
     with ThreadPoolExecutor(max_workers=cfg.train.concurrent_drafters) as pool:  # each fit() blocks its thread
         for name, result in zip(todo, pool.map(fit, todo)):
-            results[name] = result
+            results[name] = {**result, **({"pretrained": pretrained[name]} if name in pretrained else {})}
     if mode == "hybrid":
         from pipeline.stages.cache import cache_totals
 
