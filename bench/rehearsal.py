@@ -37,6 +37,10 @@ summed PSS (``peak_pss_bytes``: shared pages split between processes, so the sum
 footprint); the stage's own summary (``<run_dir>/<stage>/summary.json``). Projections per cluster come from
 ``ops plan`` (:func:`ops.plan.plan_from_config`) on the same config and target shape.
 
+A run that stops keeps what it measured in ``<out>/rehearsal.partial.json`` (rewritten after each stage); rerun
+with ``--skip`` for the stages that passed and their entries are carried over into the new report
+(:func:`previous_stages`).
+
 ``--quick`` runs every stage at reduced widths (hidden 64, 2 heads of 32, vocabulary kept at 151,936, depth 8)
 on a few rows in a few minutes: the test's mode (tests/test_rehearsal.py). ``--dry`` writes the report skeleton
 (target, drafter, plan, projections; every stage ``ok: null``) without running a stage.
@@ -669,9 +673,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     report["build"] = build_target(out / "target", depth, args.quick)
     run_dir = out / "run"
+    earlier = previous_stages(out)
     for stage in STAGES:
         if stage in args.skip:
-            report["stages"][stage] = {"ok": None, "wall_s": None, "peak_rss_bytes": None, "skipped": "--skip"}
+            report["stages"][stage] = earlier.get(stage) or {"ok": None, "wall_s": None, "peak_rss_bytes": None,
+                                                             "skipped": "--skip"}
             continue
         if stage == "generate":
             import shutil
@@ -682,6 +688,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["stages"][stage] = res
         print(f"   ok={res['ok']} wall={res['wall_s']} s peak RSS {res['peak_rss_bytes'] / 2**30:.2f} GiB"
               + (f"\n   {res['error']}" if not res["ok"] else ""), flush=True)
+        (out / PARTIAL).write_text(json.dumps(report, indent=2, default=str))  # what ran, should the run stop
     cache_sum = report["stages"].get("cache", {}).get("summary", {})
     report["cache"] = cache_figures(cache_sum, tcfg["hidden_size"], len(ids))
     if "cache" in args.skip:
@@ -824,12 +831,29 @@ def vllm_serve_stage(out: Path, cfg_args: Sequence[str], export_sum: dict[str, A
     return res
 
 
+PARTIAL = "rehearsal.partial.json"
+"""The report as far as the stages went, rewritten after each stage; removed when ``rehearsal.json`` is written."""
+
+
+def previous_stages(out: Path) -> dict[str, dict[str, Any]]:
+    """The stage entries of the last report in ``out`` (``rehearsal.partial.json`` of a run that stopped, else
+    ``rehearsal.json``) that ran and passed: a stage skipped now (``--skip``, after fixing what stopped a run)
+    keeps its measured entry, marked ``carried_over``, instead of an empty one."""
+    for name in (PARTIAL, "rehearsal.json"):
+        path = out / name
+        if path.is_file():
+            stages = json.loads(path.read_text()).get("stages", {})
+            return {k: {**v, "carried_over": name} for k, v in stages.items() if v.get("ok")}
+    return {}
+
+
 def finish(out: Path, report: dict[str, Any], t_start: float) -> dict[str, Any]:
     for s in REPORT_STAGES:
         report["stages"].setdefault(s, {"ok": None, "wall_s": None, "peak_rss_bytes": None})
         report["stages"][s]["figure"] = _figure(s, report)
     report["missing_keys"] = missing_keys(report)
     (out / "rehearsal.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / PARTIAL).unlink(missing_ok=True)
     print(markdown(report))
     print(f"report: {out / 'rehearsal.json'}" + (f" (missing keys: {report['missing_keys']})"
                                                   if report["missing_keys"] else ""))

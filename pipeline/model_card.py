@@ -26,6 +26,7 @@ import yaml
 from pipeline.config import RunConfig, to_dict
 from pipeline.eval_report import macro_average, tau_cell
 from storage import filesystem, join, read_json
+from training.spec_sampling import Sampling
 
 CARD = "README.md"
 SUMMARY = "training_summary.json"
@@ -58,8 +59,7 @@ def _evaluation(ev: dict[str, Any] | None, name: str) -> list[dict[str, Any]] | 
         return None
     out = []
     for setting in ev.get("settings", []):
-        key = "T=" + format(setting["temperature"], "g") + (
-            f",p{setting['top_p']:g},k{setting['top_k']}" if setting["top_p"] < 1 or setting["top_k"] > 0 else "")
+        key = f"T={Sampling(setting['temperature'], setting['top_p'], setting['top_k']):g}"  # the evaluate stage's key
         d = ev.get("results", {}).get(key, {}).get("drafters", {}).get(name)
         if d is None:
             continue

@@ -119,3 +119,16 @@ def test_quick_rehearsal_runs_every_stage(rehearsal, tmp_path):
         assert all(len(t) == 16 for t in st["tokens"]) and st["drafts"] > 0
         assert st["wall_s"] > 0 and st["peak_rss_bytes"] > 2**20
     assert rc == 0
+
+
+def test_a_rerun_with_skip_carries_over_what_a_stopped_run_measured(rehearsal, tmp_path):
+    """A run that stopped after some stages leaves rehearsal.partial.json; the entries of the stages that passed
+    are what a --skip rerun reports for them (marked), a failed one is not carried."""
+    done = {"ok": True, "wall_s": 58.2, "peak_rss_bytes": 5_700_000_000, "summary": {"tokens": 8192}}
+    (tmp_path / rehearsal.PARTIAL).write_text(json.dumps({"stages": {"cache": done, "train": {"ok": False}}}))
+    carried = rehearsal.previous_stages(tmp_path)
+    assert carried == {"cache": {**done, "carried_over": rehearsal.PARTIAL}}
+    (tmp_path / rehearsal.PARTIAL).unlink()
+    (tmp_path / "rehearsal.json").write_text(json.dumps({"stages": {"generate": {"ok": True, "wall_s": 1.0}}}))
+    assert rehearsal.previous_stages(tmp_path)["generate"]["carried_over"] == "rehearsal.json"
+    assert rehearsal.previous_stages(tmp_path / "none") == {}
