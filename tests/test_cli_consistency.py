@@ -118,7 +118,7 @@ def test_each_stage_checks_only_the_files_it_reads(tmp_path):
 
     fsspec.filesystem("memory").pipe("/dspark-test/chats.jsonl", b"{}\n")
     train = "data.train_files=[memory://dspark-test/chats.jsonl,embedded:stdlib/train.jsonl]"
-    cfg = load_config(DEFAULT_CONFIG, [train, f"data.eval_files=[{tmp_path}/gone.jsonl]"])
+    cfg = load_config(DEFAULT_CONFIG, [train, f"data.eval_files=[{tmp_path}/gone.jsonl]", "~evaluate.prompt_sets"])
     assert input_keys(cfg, ["cache", "train", "calibrate", "export"]) == ["data.train_files"]
     assert input_keys(cfg, ["train", "calibrate", "export"]) == []
     cfg.train.features = type(cfg.train.features)("online")

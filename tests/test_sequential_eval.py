@@ -1,7 +1,7 @@
-"""The block-level evaluation drafts a sequential head's blocks slot by slot, as the drafter is served:
-slot k's head is fed the token drawn at slot k - 1, not the cached one (teacher forcing credited the
-Markov head with a previous token it never drew: the demo's block-level DSpark tau was 4.20 vs 3.57 in
-the decoding loop). Checked against a plain per-block loop written here from the formulas."""
+"""``evaluate_blocks(sequential=True)`` drafts a sequential head's blocks slot by slot, as the drafter is
+served: slot k's head is fed the token drawn at slot k - 1, not the cached one (the default, teacher
+forcing, feeds the cached one; training/block_runner.py says why it stays the default). Checked against
+a plain per-block loop written here from the formulas."""
 from __future__ import annotations
 
 import importlib.util
@@ -74,7 +74,8 @@ def _drafter():
 def test_sequential_drafting_matches_the_per_block_loop_and_differs_from_teacher_forcing():
     model = _drafter()
     samples = _samples()
-    seq = evaluate_blocks({"d": model}, [samples], temperatures=[0.0, 1.0], num_anchors=ANCHORS, seed=SEED)
+    seq = evaluate_blocks({"d": model}, [samples], temperatures=[0.0, 1.0], num_anchors=ANCHORS, seed=SEED,
+                          sequential=True)
     tf = evaluate_blocks({"d": model}, [samples], temperatures=[0.0, 1.0], num_anchors=ANCHORS, seed=SEED,
                          sequential=False)
     for T in (0.0, 1.0):
@@ -89,11 +90,11 @@ def test_a_drafter_without_a_head_is_unchanged_and_records_carry_the_drawn_confi
     dflash = bench.random_drafter(V, block_size=5, markov_rank=0, confidence_head=False, seed=3)
     samples = _samples()
     kw = dict(temperatures=[0.0, 1.0], num_anchors=ANCHORS, seed=SEED)
-    a, b = evaluate_blocks({"d": dflash}, [samples], **kw), evaluate_blocks({"d": dflash}, [samples], sequential=False, **kw)
+    a, b = evaluate_blocks({"d": dflash}, [samples], sequential=True, **kw), evaluate_blocks({"d": dflash}, [samples], **kw)
     for T in (0.0, 1.0):
         assert torch.equal(a.values("d", T, "tau"), b.values("d", T, "tau"))
     model, rec = _drafter(), {}
-    evaluate_blocks({"d": model}, [samples], records=rec, **kw)
+    evaluate_blocks({"d": model}, [samples], records=rec, sequential=True, **kw)
     z0, z1 = torch.cat(rec[("d", 0.0)]["z"]), torch.cat(rec[("d", 1.0)]["z"])
     assert z0.shape == z1.shape and torch.equal(z0[:, 0], z1[:, 0])  # slot 1: the same (cached) x_0
     assert not torch.equal(z0, z1)  # later slots: each setting's own drawn x_{k-1}

@@ -3,13 +3,14 @@
 :func:`block_slots` lays out one drafter's blocks at given anchors and runs the drafter on the
 drafter's device; :func:`slot_logits` turns some of its supervised slots into the draft logits
 (backbone + sequential-head bias on the true previous token, DSpark sec. 3.1) and the target logits
-(frozen ``lm_head`` on the cached final hidden state). A drafter with a sequential head is then
-drafted slot by slot, as it is served (:func:`sequential_draft_logits`): the head of slot k is fed the
-token drawn at slot k - 1 (at each sampling setting, with that setting's uniforms), not the cached
-one, so a Markov or RNN drafter is not credited with a previous token it did not draw. The target's
-distribution stays the cached one (conditioned on the data's tokens), for every drafter alike: the
-block-level estimate stays an approximation of the decoding loop for DFlash and DSpark alike
-(docs/results.md measures the gap). :func:`evaluate_blocks` runs every drafter on
+(frozen ``lm_head`` on the cached final hidden state). By default every slot's head reads the cached
+previous token (teacher forcing), consistent with the cached target distribution, which is conditioned
+on the data's tokens. ``sequential=True`` drafts a sequential head slot by slot as it is served
+(:func:`sequential_draft_logits`: slot k's head fed the token drawn at slot k - 1); the target's
+distribution then stays conditioned on the data's token while the head follows the drawn one, which
+penalises DSpark where they differ (the demo, 2026-12-05: DSpark block tau at T=0 2.76 sequential vs
+3.84 teacher-forced, against 3.90 in the decoding loop; at T=1 2.47 vs 4.36, against 2.44), so it is
+a diagnostic, not the default (docs/results.md). :func:`evaluate_blocks` runs every drafter on
 the same anchors (drawn once per batch, independent of the drafters' layouts and block sizes) and
 hands the logits to :func:`training.block_eval.speculative_outcomes` with the same uniforms, so the
 comparison is paired.
@@ -161,13 +162,13 @@ def _scatter(values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, shap
 @torch.no_grad()
 def chunked_outcomes(model, slots, blocks: torch.Tensor, u_draw: torch.Tensor, u_accept: torch.Tensor,
                      temperatures: Sequence[float], *, chunk_blocks: int = EVAL_CHUNK_BLOCKS,
-                     max_q: bool = False, sequential: bool = True
+                     max_q: bool = False, sequential: bool = False
                      ) -> tuple[dict[float, dict[str, torch.Tensor]], torch.Tensor, dict | None]:
     """Speculative-sampling outcomes of ``model``'s blocks ``blocks``, ``chunk_blocks`` at a time.
 
     Per chunk the dense draft / target logits [c, gamma, V] are laid out as a one-shot evaluation
     would (0 at slots past a block's supervised prefix), :func:`speculative_outcomes` runs per
-    temperature, and only :data:`KEPT` (plus ``max_q``) is kept. With ``sequential`` (default) a drafter
+    temperature, and only :data:`KEPT` (plus ``max_q``) is kept. With ``sequential`` a drafter
     with a sequential head has its draft logits (and confidence) redrawn slot by slot per setting
     (:func:`sequential_draft_logits`) for every realised outcome (``tau``, ``accepted``, ``reached``,
     ``max_q``, the confidence), while ``tau_expected`` stays the teacher-forced closed form, the training
@@ -238,7 +239,7 @@ def chunked_outcomes(model, slots, blocks: torch.Tensor, u_draw: torch.Tensor, u
 def evaluate_blocks(drafters: Mapping[str, torch.nn.Module], batches: Iterable[Sequence[Mapping]], *,
                     temperatures: Sequence[float], num_anchors: int, seed: int = BLOCK_EVAL_SEED,
                     tally: PairedTally | None = None, records: dict | None = None,
-                    chunk_blocks: int = EVAL_CHUNK_BLOCKS, sequential: bool = True) -> PairedTally:
+                    chunk_blocks: int = EVAL_CHUNK_BLOCKS, sequential: bool = False) -> PairedTally:
     """Paired block-level speculative sampling of every drafter on the same held-out blocks.
 
     Anchors (``sample_anchors``) and uniforms (:func:`block_uniforms`) are drawn on the CPU from
@@ -262,7 +263,7 @@ def evaluate_blocks(drafters: Mapping[str, torch.nn.Module], batches: Iterable[S
             ``accepted`` [n], ``verified`` [n] (valid prefix length) and ``group`` [n] (batch index).
         chunk_blocks: blocks whose [gamma, V] distributions are held at once (:func:`chunked_outcomes`).
         sequential: draft a sequential head's blocks slot by slot, its head fed the drawn tokens
-            (default; False: teacher forcing, the evaluation before, :func:`chunked_outcomes`).
+            (:func:`chunked_outcomes`); default False: teacher forcing (module docstring says why).
     Returns:
         a :class:`training.block_eval.PairedTally` (summarise it with
         :func:`training.block_eval.summarise`).
