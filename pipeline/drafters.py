@@ -33,7 +33,11 @@ def drafter_config(spec: DrafterSpec, cfg: RunConfig):
 
 
 def _name(cfg: RunConfig, spec: DrafterSpec) -> str:
-    return next(n for n, s in cfg.train.drafters.items() if s is spec)
+    """The key of ``spec`` in ``cfg.train.drafters``. Raises ValueError for a spec that is not the run's."""
+    for n, s in cfg.train.drafters.items():
+        if s is spec:
+            return n
+    raise ValueError("a drafter with init: pretrained must be one of the run config's train.drafters")
 
 
 def pretrained_init_url(cfg: RunConfig, name: str) -> str:
@@ -62,6 +66,8 @@ def prepare_pretrained(cfg: RunConfig, name: str, target_dir: str) -> dict:
     from pipeline.errors import ConfigError
     from pipeline.stages.export_format import load_export
     from storage import filesystem
+    from training.drafter import FROZEN_STATE
+    from training.record import format_value
 
     spec = cfg.train.drafters[name]
     theirs = load_export(spec.pretrained_path, target_dir)
@@ -72,17 +78,12 @@ def prepare_pretrained(cfg: RunConfig, name: str, target_dir: str) -> dict:
         diffs.append(("confidence_head", True, False))
     if diffs:
         key = {"target_layer_ids": "target.target_layer_ids"}
-
-        def fmt(v):
-            return "[" + ",".join(map(str, v)) + "]" if isinstance(v, (list, tuple)) else str(v).lower() \
-                if isinstance(v, bool) else str(v)
-
-        said = "; ".join(f"{f}: the export has {fmt(a)}, the config says {fmt(b)} (set "
-                         f"{key.get(f, f'train.drafters.{name}.{f}')}={fmt(a)})" for f, a, b in diffs)
+        said = "; ".join(f"{f}: the export has {format_value(a)}, the config says {format_value(b)} (set "
+                         f"{key.get(f, f'train.drafters.{name}.{f}')}={format_value(a)})" for f, a, b in diffs)
         raise ConfigError(f"train.drafters.{name}.pretrained_path: {spec.pretrained_path} is another drafter: {said}; "
                           "a cache of other target_layer_ids needs a new run_dir")
     state = {k: v.detach().contiguous() for k, v in theirs.state_dict().items()
-             if k not in ("embed_tokens.weight", "lm_head.weight", "target_lm_head", "d2t")}
+             if k not in FROZEN_STATE}
     fresh = ["confidence_head"] if want.confidence_head and not theirs.config.confidence_head else []
     url = pretrained_init_url(cfg, name)
     fs, path = filesystem(url)

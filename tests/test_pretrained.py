@@ -9,8 +9,7 @@ from pipeline.errors import ConfigError
 from pipeline.run import DEFAULT_CONFIG, load_config
 from pipeline.stages.export_format import export_drafter, load_export
 from training.block_runner import evaluate_blocks
-
-FROZEN = ("embed_tokens.weight", "lm_head.weight", "target_lm_head", "d2t")
+from training.drafter import FROZEN_STATE as FROZEN
 
 
 def _cfg(tiny_target_dir, run_dir, *extra):

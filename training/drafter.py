@@ -32,10 +32,13 @@ from training.losses import LossConfig, LossOutput, SupervisedSlots, drafter_los
 from training.spec_sampling import Sampling
 
 __all__ = ["DrafterConfig", "DraftContext", "DraftResult", "Drafter", "resolve_attention", "compiled_flex_attention",
-           "FLEX_GRAPH_LIMIT"]
+           "FLEX_GRAPH_LIMIT", "FROZEN_STATE"]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 INIT_MODES = ("random", "target", "pretrained")
+FROZEN_STATE = ("embed_tokens.weight", "lm_head.weight", "target_lm_head", "d2t")
+"""State-dict entries a drafter takes from the target (or fixes before training): never trained, never loaded
+from a published drafter (:meth:`Drafter.load_pretrained`)."""
 
 
 @dataclass
@@ -334,9 +337,8 @@ class Drafter(nn.Module):
         Raises:
             ValueError: a tensor this drafter has no parameter for, or one of another shape.
         """
-        frozen = {"embed_tokens.weight", "lm_head.weight", "target_lm_head", "d2t"}
-        own = {k: v for k, v in self.state_dict().items() if k not in frozen}
-        unknown = sorted(set(state) - set(own) - frozen)
+        own = {k: v for k, v in self.state_dict().items() if k not in FROZEN_STATE}
+        unknown = sorted(set(state) - set(own) - set(FROZEN_STATE))
         shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
                   if k in state and state[k].shape != v.shape]
         if unknown or shapes:

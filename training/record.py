@@ -16,7 +16,8 @@ from typing import Any
 from training.checkpoint import CheckpointError
 from training.drafter import DrafterConfig
 
-__all__ = ["RECORDED_FIELDS", "model_record", "config_from_record", "check_record", "check_thinking_mode"]
+__all__ = ["RECORDED_FIELDS", "model_record", "config_from_record", "check_record", "check_thinking_mode",
+           "format_value"]
 
 RECORDED_FIELDS = ("target_layer_ids", "mask_token_id", "num_layers", "block_size", "sample_from_anchor",
                    "markov_rank", "head_type", "confidence_head", "confidence_grad_to_backbone", "draft_vocab_size")
@@ -65,13 +66,14 @@ def check_record(recorded: DrafterConfig, current: DrafterConfig, *, drafter: st
     diffs = [(f, getattr(recorded, f), getattr(current, f)) for f in RECORDED_FIELDS
              if getattr(recorded, f) != getattr(current, f)]
     if diffs:
-        said = "; ".join(f"{f}: trained with {_fmt(a)}, the config says {_fmt(b)} (set {_key(f, drafter)}="
-                         f"{_fmt(a)})" for f, a, b in diffs)
+        said = "; ".join(f"{f}: trained with {format_value(a)}, the config says {format_value(b)} "
+                         f"(set {_key(f, drafter)}={format_value(a)})" for f, a, b in diffs)
         raise CheckpointError(f"drafter {drafter!r} at {where} was trained as another model: {said}; or retrain "
                               "it in a new run_dir with the new config")
 
 
-def _fmt(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A config value as a Hydra override writes it: ``null``, ``[1,9,17]``, ``true``, ``7``."""
     if value is None:
         return "null"
     if isinstance(value, (list, tuple)):
@@ -94,5 +96,5 @@ def check_thinking_mode(state: dict[str, Any], enable_thinking: bool | None, *, 
     if trained != enable_thinking:
         raise CheckpointError(
             f"drafter {drafter!r} at {where} was trained on chats rendered with data.render.enable_thinking="
-            f"{_fmt(trained)}, the config says {_fmt(enable_thinking)}: set data.render.enable_thinking="
-            f"{_fmt(trained)} (the mode the drafter serves), or cache and train in that mode in a new run_dir")
+            f"{format_value(trained)}, the config says {format_value(enable_thinking)}: set data.render.enable_thinking="
+            f"{format_value(trained)} (the mode the drafter serves), or cache and train in that mode in a new run_dir")
