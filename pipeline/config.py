@@ -196,6 +196,7 @@ class GenerateConfig:
     max_num_seqs: Optional[int] = None  # vLLM: requests running at once (None: vLLM's default)
     rows_per_shard: int = 256
     max_rows: Optional[int] = None
+    shard_delay_s: float = 0.0  # artificial pause per shard, before its write (fault tests and benchmarks)
 
 
 @dataclass
@@ -293,6 +294,10 @@ class TrainConfig:
     # committed checkpoints kept, the newest ones (rank 0 deletes older ones after each commit); None = all
     keep_checkpoints: Optional[int] = None
     max_failures: int = 2  # Ray Train restarts of a failed worker group (from the last checkpoint)
+    # a preemption notice (a node drained for preemption: Ray Train's get_preemption_info) is looked for
+    # every this many optimizer steps (a collective); a notice writes a checkpoint at once; 0 = never
+    preemption_check_every_steps: int = 1
+    max_preemption_failures: int = -1  # Ray Train restarts after preemptions, apart from max_failures; -1 = any
     seed: int = 0
     # cache | online | hybrid (docs/feature-modes.md); online and hybrid prefill with the cache
     # stage's actors (cache.num_workers, cache.gpus_per_worker) while the trainers run
@@ -437,6 +442,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.cache.cpus_per_worker > 0, "cache.cpus_per_worker", f"must be > 0 (got {cfg.cache.cpus_per_worker})")
     gen = cfg.generate
     _check(gen.rows_per_shard >= 1, "generate.rows_per_shard", "must be >= 1")
+    _check(gen.shard_delay_s >= 0, "generate.shard_delay_s", "must be >= 0 seconds")
     _check(gen.temperature >= 0, "generate.temperature", f"must be >= 0, 0 = greedy (got {gen.temperature})")
     _check(0 < gen.top_p <= 1, "generate.top_p", f"must be in (0, 1], 1 disables it (got {gen.top_p})")
     _check(gen.max_new_tokens >= 1, "generate.max_new_tokens", f"must be >= 1 (got {gen.max_new_tokens})")
@@ -487,6 +493,8 @@ def validate(cfg: RunConfig) -> RunConfig:
                    f"a reduced draft vocabulary is counted over the cache; with train.features={mode} "
                    "leave it unset or use train.features=cache")
     _check(cfg.train.step_delay_s >= 0, "train.step_delay_s", "must be >= 0 seconds")
+    _check(cfg.train.preemption_check_every_steps >= 0, "train.preemption_check_every_steps",
+           "must be >= 0 (0: no preemption checkpoints)")
     _check(cfg.train.metrics_flush_seconds >= 0, "train.metrics_flush_seconds", "must be >= 0 seconds")
     _check(cfg.train.validation_shards >= 0, "train.validation_shards", "must be >= 0 (0 = no learning curve)")
     _check(cfg.train.validate_every_steps >= 1, "train.validate_every_steps", "must be >= 1")

@@ -15,6 +15,7 @@ adds one back, as an autoscaler would.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -161,6 +162,37 @@ class LocalCluster:
         self.workers.remove(node)
         return n
 
+    def terminate_node(self, node: Node, grace_s: float) -> int:
+        """Stop ``node`` as a preempted machine's shutdown does: SIGTERM to every process of it, then, after
+        ``grace_s`` seconds, SIGKILL to those still alive; returns how many were signalled. The node
+        is dropped from :attr:`workers`."""
+        procs = _session(node.proc)
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        _kill_tree(node.proc)
+        self.workers.remove(node)
+        return len(procs)
+
+    def drain_for_preemption(self, node: Node, deadline_s: int) -> None:
+        """Tell the head that ``node`` will be taken away in ``deadline_s`` seconds, as a cloud
+        autoscaler does on a spot reclaim notice (the GCS drain request ``ray drain-node`` sends, reason
+        ``DRAIN_NODE_REASON_PREEMPTION``): Ray Train's preemption watcher then reports it to the workers.
+
+        Raises:
+            RuntimeError: the head refused the drain."""
+        import ray._raylet
+        from ray.core.generated import autoscaler_pb2
+
+        client = ray._raylet.GcsClient(address=f"127.0.0.1:{self.gcs_port}")
+        accepted, why = client.drain_node(node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                          "spot reclaim (test)", int(time.time() * 1000) + deadline_s * 1000)
+        if not accepted:
+            raise RuntimeError(f"the drain of node {node.node_id} was refused: {why}")
+
     def node_of_actor(self, class_name: str, pid: int | None = None) -> tuple[Node, int]:
         """The worker node and pid of a live actor whose class name contains ``class_name`` (and whose
         process is ``pid``, when given), found from the process table: each node's processes are its
@@ -184,11 +216,13 @@ class LocalCluster:
         """``ray job submit`` of ``entrypoint`` (:func:`pipeline.cluster.submit`): the CompletedProcess."""
         return submit(RAY_BIN, self.address, self.env, entrypoint, timeout_s)
 
-    def submit_async(self, entrypoint: list[str], output: Path) -> subprocess.Popen:
+    def submit_async(self, entrypoint: list[str], output: Path, env_vars: dict[str, str] | None = None) -> subprocess.Popen:
         """``ray job submit`` (waiting for the job's end) in the background, its output (the job's
-        logs) in the file ``output``: the Popen."""
+        logs) in the file ``output``, ``env_vars`` set for the job's every process (its runtime env):
+        the Popen."""
+        extra = ["--runtime-env-json", json.dumps({"env_vars": env_vars})] if env_vars else []
         with output.open("wb") as out:
-            return subprocess.Popen([RAY_BIN, "job", "submit", "--address", self.address, "--", *entrypoint],
+            return subprocess.Popen([RAY_BIN, "job", "submit", "--address", self.address, *extra, "--", *entrypoint],
                                     env=self.env, stdout=out, stderr=subprocess.STDOUT)
 
     def stop_jobs(self) -> int:

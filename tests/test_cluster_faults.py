@@ -23,6 +23,7 @@ import pytest
 from chatgen import write_chats
 from multinode import LocalCluster
 from pipeline.run import DEFAULT_CONFIG
+from training.checkpoint import COMMIT_RECORD
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster_faults]
 
@@ -37,10 +38,18 @@ TRAIN = ["train.num_anchors=8", "train.drafters.dspark.markov_rank=8", "train.dr
          "train.step_delay_s=1.0", "train.max_failures=2"]
 
 
+# generate: one actor per (declared) GPU, so one per worker node; 5 rows a shard, each held 1 s before its write
+GENERATE = ["generate.enabled=true", "generate.rows_per_shard=5", "generate.batch_size=5", "generate.max_new_tokens=16",
+            "generate.shard_delay_s=1.0"]
+
+
 def stage_entry(stage: str, target: str, data: Path, run_dir: Path, *extra: str) -> list[str]:
     """The ``python -m pipeline.run`` command line of ``stage`` on ``data`` (tiny overrides)."""
+    common = [o for o in CACHE if o != "generate.enabled=false"] + GENERATE if stage == "generate" else CACHE
+    keys = {o.split("=", 1)[0] for o in extra}  # an extra override replaces the base one
     return [sys.executable, "-m", "pipeline.run", f"+stage={stage}", str(DEFAULT_CONFIG), f"target.path={target}",
-            f"run_dir={run_dir}", f"data.train_files=[{data}]", *CACHE, *TRAIN, *extra]
+            f"run_dir={run_dir}", f"data.train_files=[{data}]",
+            *(o for o in [*common, *TRAIN] if o.split("=", 1)[0] not in keys), *extra]
 
 
 def shard_bytes(run_dir: Path) -> dict[str, str]:
@@ -67,14 +76,15 @@ def wait_for(pred, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def run_disturbed(cluster: LocalCluster, entry: list[str], ready, fault, log: Path, timeout_s: float = 600):
-    """Submit ``entry`` (job output to ``log``), wait for ``ready()`` (mid-stage), call ``fault()``, wait
-    for the job's end; returns its wall seconds (submit to end).
+def run_disturbed(cluster: LocalCluster, entry: list[str], ready, fault, log: Path, timeout_s: float = 600,
+                  env_vars: dict[str, str] | None = None):
+    """Submit ``entry`` (job output to ``log``, ``env_vars`` in its runtime env), wait for ``ready()``
+    (mid-stage), call ``fault()``, wait for the job's end; returns its wall seconds (submit to end).
 
     Raises:
         AssertionError: the stage ended before the fault, or failed."""
     t0 = time.time()
-    job = cluster.submit_async(entry, log)
+    job = cluster.submit_async(entry, log, env_vars)
     try:
         wait_for(lambda: ready() or job.poll() is not None, timeout_s, "the mid-stage point")
         assert job.poll() is None, "the stage ended before the fault: " + log.read_text()[-3000:]
@@ -88,14 +98,15 @@ def run_disturbed(cluster: LocalCluster, entry: list[str], ready, fault, log: Pa
     return time.time() - t0
 
 
-def busy_writer(cluster: LocalCluster, run_dir: Path):
-    """The worker node and pid of the prefill actor that committed the run's newest shard (its commit
-    record's ``writer_id`` is ``host:pid``): an actor past its start-up, prefilling its next shard
-    (``cache.shard_delay_s``)."""
-    newest = max((run_dir / "cache" / "commits").glob("*.json"), key=lambda p: p.stat().st_mtime)
+def busy_writer(cluster: LocalCluster, run_dir: Path, stage: str = "cache"):
+    """The worker node and pid of the actor that committed the stage's newest shard (its commit
+    record's ``writer_id``, ``writer`` for generate, is ``host:pid``): an actor past its start-up,
+    working on its next shard (``cache.shard_delay_s``, ``generate.shard_delay_s``)."""
+    newest = max((run_dir / stage / "commits").glob("*.json"), key=lambda p: p.stat().st_mtime)
+    key = "writer" if stage == "generate" else "writer_id"
     for _ in range(50):  # a local commit record is created, then written: it may be read empty once
         try:
-            pid = int(json.loads(newest.read_text())["writer_id"].rsplit(":", 1)[1])
+            pid = int(json.loads(newest.read_text())[key].rsplit(":", 1)[1])
             break
         except json.JSONDecodeError:
             time.sleep(0.01)
@@ -132,8 +143,8 @@ def clean_cache(cluster, tiny_target_dir, chats, tmp_path_factory) -> Path:
     return run_dir
 
 
-def _committed(run_dir: Path) -> int:
-    return len(list((run_dir / "cache" / "commits").glob("*.json")))
+def _committed(run_dir: Path, stage: str = "cache") -> int:
+    return len(list((run_dir / stage / "commits").glob("*.json")))
 
 
 def test_cache_survives_a_lost_worker_node(cluster, tiny_target_dir, chats, clean_cache, tmp_path):
@@ -165,6 +176,31 @@ def test_cache_survives_a_killed_actor_process(cluster, tiny_target_dir, chats, 
     assert faults["actors_lost"] == 1 and len(faults["redone_shards"]) in (1, 2)  # one actor: 2 calls at once
 
 
+def _generated(run_dir: Path) -> dict[str, str]:
+    """SHA-256 of each generate shard object and error file (relative path -> hex digest)."""
+    root = run_dir / "generate"
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for sub in ("shards", "errors") for p in sorted((root / sub).glob("*")) if p.is_file()}
+
+
+def test_generate_survives_a_lost_worker_node(cluster, tiny_target_dir, chats, tmp_path):
+    """The generate actors (one per worker node) regenerate 12 shards of 5 rows; the node of the actor
+    that just committed a shard is lost mid-shard and a node added back: the shard files equal the
+    undisturbed run's byte for byte (each row's sampling seeded by its row, whichever actor runs it)."""
+    clean = tmp_path / "clean"
+    r = cluster.submit(stage_entry("generate", tiny_target_dir, chats, clean))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    run_dir = tmp_path / "run"
+    run_disturbed(cluster, stage_entry("generate", tiny_target_dir, chats, run_dir),
+                  lambda: _committed(run_dir, "generate") >= 2,
+                  lambda: kill_and_replace(cluster, busy_writer(cluster, run_dir, "generate")[0]), tmp_path / "job.log")
+    assert _generated(run_dir) == _generated(clean) and _committed(run_dir, "generate") == 12
+    faults = json.loads((run_dir / "generate" / "summary.json").read_text())["faults"]
+    assert faults["actors_lost"] == 1 and len(faults["redone_shards"]) in (1, 2) and faults["retry_delay_seconds"] > 0
+    clean_faults = json.loads((clean / "generate" / "summary.json").read_text())["faults"]
+    assert clean_faults == {"actors_started": 2, "actors_lost": 0, "redone_shards": [], "retry_delay_seconds": 0}
+
+
 def _train_run(clean_cache: Path, run_dir: Path) -> Path:
     run_dir.mkdir()
     shutil.copytree(clean_cache / "cache", run_dir / "cache")
@@ -181,10 +217,20 @@ def _final_weights(run_dir: Path) -> bytes:
     return (ckpts[-1] / "drafter.safetensors").read_bytes()
 
 
-def test_train_resumes_after_a_lost_worker_node(cluster, tiny_target_dir, chats, clean_cache, tmp_path):
-    clean = _train_run(clean_cache, tmp_path / "clean")
+@pytest.fixture(scope="module")
+def clean_train(cluster, tiny_target_dir, chats, clean_cache, tmp_path_factory) -> Path:
+    """The undisturbed train run's run_dir (on the undisturbed cache)."""
+    clean = _train_run(clean_cache, tmp_path_factory.mktemp("train") / "clean")
     r = cluster.submit(stage_entry("train", tiny_target_dir, chats, clean))
     assert r.returncode == 0, r.stdout[-4000:]
+    return clean
+
+
+def _train_faults(run_dir: Path) -> dict:
+    return json.loads((run_dir / "train" / "summary.json").read_text())["drafters"]["dspark"]["faults"]
+
+
+def test_train_resumes_after_a_lost_worker_node(cluster, tiny_target_dir, chats, clean_cache, clean_train, tmp_path):
     run_dir = _train_run(clean_cache, tmp_path / "run")
     ckpts = run_dir / "train" / "dspark" / "checkpoints"
 
@@ -194,10 +240,49 @@ def test_train_resumes_after_a_lost_worker_node(cluster, tiny_target_dir, chats,
 
     run_disturbed(cluster, stage_entry("train", tiny_target_dir, chats, run_dir),
                   lambda: len(list(ckpts.glob("step-*/COMMITTED.json"))) >= 1, lose_trainer_node, tmp_path / "job.log")
-    assert _losses(run_dir) == _losses(clean) and [s for s, _ in _losses(run_dir)] == list(range(1, 9))
-    assert _final_weights(run_dir) == _final_weights(clean)
+    assert _losses(run_dir) == _losses(clean_train) and [s for s, _ in _losses(run_dir)] == list(range(1, 9))
+    assert _final_weights(run_dir) == _final_weights(clean_train)
     result = json.loads((run_dir / "train" / "dspark" / "result.json").read_text())
-    summary = json.loads((run_dir / "train" / "summary.json").read_text())["drafters"]["dspark"]["faults"]
+    summary = _train_faults(run_dir)
     assert summary["worker_group_restarts"] == 1 and summary["resumed_from_steps"][0] in (2, 4, 6)
+    assert summary["preemption_checkpoints"] == []
     assert 0 <= summary["redone_steps"] <= 2 and summary["restart_seconds"] > 0
     assert result["steps"] == 8
+
+
+def test_a_preempted_train_node_checkpoints_on_the_notice_and_resumes_there(cluster, tiny_target_dir, chats,
+                                                                            clean_cache, clean_train, tmp_path):
+    """Spot preemption: after the first checkpoint the trainer's node is drained for preemption with a
+    6 s deadline (what a cloud autoscaler does on a reclaim notice), a replacement node is added, and at
+    the deadline the node is shut down: SIGTERM to every process, SIGKILL 5 s later. The trainer writes a
+    checkpoint at the first step after the notice (``preemption_notice``), the group is restarted after
+    the deadline (or when the node's shutdown kills it) and resumes from the newest checkpoint, that one or
+    a periodic one written since: identical losses and weights, at most the step in flight redone. Steps are held 2 s here (1 s in the undisturbed run: the pause changes no
+    number), so that the deadline falls before the last step."""
+    run_dir = _train_run(clean_cache, tmp_path / "run")
+    ckpts = run_dir / "train" / "dspark" / "checkpoints"
+    deadline_s = 6
+
+    def preempt():
+        node, _ = cluster.node_of_actor("RayTrainWorker")
+        noticed_at = time.time()
+        cluster.drain_for_preemption(node, deadline_s)
+        cluster.add_node()  # the autoscaler's replacement, starting while the notice runs
+        time.sleep(max(0.0, noticed_at + deadline_s - time.time()))
+        cluster.terminate_node(node, grace_s=5)
+
+    run_disturbed(cluster, stage_entry("train", tiny_target_dir, chats, run_dir, "train.step_delay_s=2.0"),
+                  lambda: len(list(ckpts.glob("step-*/COMMITTED.json"))) >= 1, preempt,
+                  tmp_path / "job.log", env_vars={"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.2"})
+    assert _losses(run_dir) == _losses(clean_train) and _final_weights(run_dir) == _final_weights(clean_train)
+    summary = _train_faults(run_dir)
+    assert summary["worker_group_restarts"] == 1, summary
+    (resumed,) = summary["resumed_from_steps"]
+    reasons = {int(p.parent.name.split("-")[1]): json.loads(p.read_text())["reason"]
+               for p in ckpts.glob(f"step-*/{COMMIT_RECORD}")}
+    noticed = [step for step, why in reasons.items() if why == "preemption"]
+    assert len(noticed) == 1 and noticed[0] >= 3 and noticed[0] <= resumed  # the first step after the notice
+    # the restart resumes from the newest checkpoint: the notice's, or a periodic one the group reached
+    # before the deadline; the steps trained after it and before the fault are the only ones redone
+    assert summary["preemption_checkpoints"] == ([resumed] if reasons[resumed] == "preemption" else [])
+    assert 0 <= summary["redone_steps"] <= 1 and summary["restart_seconds"] > 0

@@ -26,8 +26,9 @@ def test_ledger_of_an_undisturbed_pool_counts_nothing():
 def test_train_fault_summary_counts_redone_steps_from_the_resumed_checkpoint():
     attempts = [{"started_at": 100.0, "resumed_step": 0, "logged_step": 0, "logged_at": None},
                 {"started_at": 160.0, "resumed_step": 4, "logged_step": 5, "logged_at": 150.0},
-                {"started_at": 230.0, "resumed_step": 6, "logged_step": 8, "logged_at": 200.5}]
-    assert fault_summary(attempts) == {"worker_group_restarts": 2, "resumed_from_steps": [4, 6], "redone_steps": 3,
-                                       "restart_seconds": 39.5}
-    assert fault_summary(attempts[:1]) == {"worker_group_restarts": 0, "resumed_from_steps": [], "redone_steps": 0,
-                                           "restart_seconds": 0}
+                {"started_at": 230.0, "resumed_step": 7, "resumed_reason": "preemption", "logged_step": 9,
+                 "logged_at": 200.5}]
+    assert fault_summary(attempts) == {"worker_group_restarts": 2, "resumed_from_steps": [4, 7],
+                                       "preemption_checkpoints": [7], "redone_steps": 3, "restart_seconds": 39.5}
+    assert fault_summary(attempts[:1]) == {"worker_group_restarts": 0, "resumed_from_steps": [],
+                                           "preemption_checkpoints": [], "redone_steps": 0, "restart_seconds": 0}

@@ -33,6 +33,8 @@ class TrainJob:
         heldout_shards, validation_shards: shards kept out of training (:func:`training.data.split_shards`).
         validation_samples, validate_every_steps: the held-out learning curve.
         checkpoint_every_steps: committed checkpoint cadence (and the last step).
+        preemption_check_every_steps: optimizer steps between looks for a preemption notice
+            (``ray.train.get_preemption_info``); the first notice writes a checkpoint at once; 0 = never.
         keep_checkpoints: committed checkpoints kept after each commit, the newest ones (older ones
             deleted by rank 0: :func:`training.checkpoint.prune_checkpoints`), or None to keep all.
         storage: the object-storage retry policy of the worker's S3 clients.
@@ -79,6 +81,7 @@ class TrainJob:
     features: str = "cache"
     shard_counts: dict[int, int] | None = None
     step_delay_s: float = 0.0
+    preemption_check_every_steps: int = 0
     stream_bound_bytes: int | None = None
     muon_lr: float | None = None
     metrics_flush_seconds: float = 30.0

@@ -255,6 +255,24 @@ def _resume(engine, train_url: str, world: int, zero_stage: int, optimizer: str,
     return Position(state["step"], state["epoch"], state["micro"]), (consumed[rank] if rank < len(consumed) else {})
 
 
+def preemption_notice(job: TrainJob, step: int) -> bool:
+    """Whether Ray Train has a preemption notice for this worker group (``ray.train.get_preemption_info``:
+    a node of the group drained with reason preemption, as a cloud autoscaler or a node's SIGTERM hook
+    does with ``ray drain-node``), looked up after optimizer step ``step`` when it is a multiple of
+    ``job.preemption_check_every_steps`` (0: never). A collective: every rank calls it at the same
+    steps. Never where Ray Train's preemption watcher is off (``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0``,
+    which a private local instance sets: a workstation is not preempted), so a local run pays nothing.
+    The caller writes a checkpoint on the first notice, so that the restart after the node is gone
+    redoes only the steps trained after it (docs/failures.md)."""
+    if not job.preemption_check_every_steps or step % job.preemption_check_every_steps:
+        return False
+    if os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1").lower() in ("0", "false"):
+        return False
+    import ray.train
+
+    return ray.train.get_preemption_info() is not None
+
+
 def _dataset(name: str, required: bool = True):
     """This worker's Ray Train dataset iterator ``name`` (online / hybrid features); None when the
     train stage passed none and ``required`` is false (a rank with nothing left to stream)."""
@@ -461,6 +479,7 @@ def train_worker(config: dict[str, Any]) -> None:
                       flush_seconds=job.metrics_flush_seconds, trackers=_trackers(job)) if rank == 0 else None
     bar = _progress(total, pos.step, name) if rank == 0 else None
     t_step, tokens, waited, last = time.perf_counter(), 0, 0.0, None
+    noticed = False  # a preemption notice was acted on (one checkpoint per attempt)
     timeline: list = []  # (produced_at, consumed_at, bytes) of every streamed row
     pin = module_device(engine.module).type == "cuda"
 
@@ -500,11 +519,14 @@ def train_worker(config: dict[str, Any]) -> None:
                 log.add(last)
                 _show_step(last, bar)
             t_step, tokens, waited = time.perf_counter(), 0, feed.wait_seconds
-            if pos.step % job.checkpoint_every_steps == 0 or pos.step == total:
+            reason = "periodic" if pos.step % job.checkpoint_every_steps == 0 or pos.step == total else None
+            if not noticed and preemption_notice(job, pos.step):  # at most one checkpoint per notice
+                noticed, reason = True, "preemption"
+            if reason is not None:
                 if rank == 0:
                     log.flush()
                 mine = consumed.state(pos.epoch, pos.micro)
-                _save(engine, train_url, pos, {**state, "_consumed": mine, "_rank_consumed": mine})
+                _save(engine, train_url, pos, {**state, "reason": reason, "_consumed": mine, "_rank_consumed": mine})
                 if rank == 0 and job.keep_checkpoints is not None:  # committed: drop the ones beyond the newest N
                     from training.checkpoint import prune_checkpoints
 

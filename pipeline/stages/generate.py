@@ -430,10 +430,13 @@ class ShardGenerator:
         from pipeline.target_model.engines import make_engine
         from storage import configure_storage
 
+        import torch
+
         configure_storage(cfg.storage)
         self.cfg, self.out_url, self.settings = cfg, out_url, settings_
+        # an actor given a GPU the node only declares (a test cluster's stand-in) runs on the CPU
         self.engine = make_engine(cfg.generate, cfg.target, cfg.data.max_length + cfg.generate.max_new_tokens,
-                                  "cuda" if use_gpu else "cpu")
+                                  "cuda" if use_gpu and torch.cuda.is_available() else "cpu")
         self.writer_id = f"{socket.gethostname()}:{os.getpid()}"
 
     def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
@@ -443,6 +446,8 @@ class ShardGenerator:
         if fs.exists(f"{root}/commits/{_name(shard)}.json"):  # a retried task: the shard is done
             return meta
         result = generate_shard(span, self.engine, self.cfg)
+        if self.cfg.generate.shard_delay_s:  # a shard in flight for a known time (tests/test_cluster_faults.py)
+            time.sleep(self.cfg.generate.shard_delay_s)
         try:
             write_shard(self.out_url, shard, span, result, self.settings, self.writer_id)
         except StorageUnavailableError as exc:  # reported by the driver as one line, not a worker traceback
@@ -483,7 +488,8 @@ def run_generate(cfg: RunConfig) -> dict[str, Any]:
     """The generate stage (``+stage=generate``). Returns the summary ``run.py`` writes to
     ``generate/summary.json``: rows in/kept/failed by reason, turns, new tokens, tokens/s (new
     tokens per wall second of this run's generation; None when nothing was left to generate),
-    shards planned/written/already committed, sampling parameters and engine.
+    shards planned/written/already committed, sampling parameters and engine, and ``faults`` (what
+    lost actors cost: :class:`pipeline.stages.sharded.FaultLedger`; None when nothing was left to do).
 
     Raises:
         GenerateSettingsMismatchError: committed shards were made with other settings or inputs.
@@ -506,7 +512,7 @@ def run_generate(cfg: RunConfig) -> dict[str, Any]:
              len(shards), len(shards) - len(todo), len(todo))
     run = {"shards_planned": len(shards), "shards_already_committed": len(shards) - len(todo),
            "shards_written": 0, "tokens_per_s": None, "engine": cfg.generate.engine.value,
-           "sampling": sampling_record(cfg)}
+           "sampling": sampling_record(cfg), "faults": None}
     if todo:
         init_ray(cfg.ray)
         workers, gpus = _pool(len(todo))
@@ -517,6 +523,7 @@ def run_generate(cfg: RunConfig) -> dict[str, Any]:
                               postfix=lambda t: {"shards": t.get("written", 0), "tokens": t.get("new_tokens", 0)})
         run["shards_written"] = int(pool.totals.get("written", 0))
         run["tokens_per_s"] = round(pool.totals.get("new_tokens", 0) / max(pool.seconds, 1e-9), 1)
+        run["faults"] = pool.faults
         records = committed_records(out)
     done = [records[i] for i, _ in shards if i in records]
     return {**run, **totals(done)}

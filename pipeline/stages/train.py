@@ -39,6 +39,7 @@ def train_job(cfg: RunConfig, name: str, fingerprint_json: str, target_dir: str)
         validation_shards=t.validation_shards, validation_samples=t.validation_samples,
         validate_every_steps=t.validate_every_steps, checkpoint_every_steps=t.checkpoint_every_steps,
         storage=cfg.storage, features=t.features.value, step_delay_s=t.step_delay_s,
+        preemption_check_every_steps=t.preemption_check_every_steps,
         stream_bound_bytes=t.stream_memory_bytes if t.features.value != "cache" else None,
         metrics_flush_seconds=t.metrics_flush_seconds, keep_checkpoints=t.keep_checkpoints,
         report_to=tuple(t.report_to), tracker_project=t.tracker_project, tracker_params=tracker_params(cfg, name))
@@ -90,8 +91,10 @@ def attempt_worker(config: dict[str, Any]) -> None:
     worker-group attempt in ``config["attempts_url"]`` (a JSON list, rewritten whole): its start time
     (Unix seconds), the step of the newest committed checkpoint it resumes from, the last step the
     previous attempt logged in ``metrics.jsonl`` (read before the loop drops the rows past the
-    checkpoint) and that file's modification time (the previous attempt's last logged step).
-    Ray Train starts one attempt per worker group, a new one after each failure (``train.max_failures``)."""
+    checkpoint) and that file's modification time (the previous attempt's last logged step), and why
+    that checkpoint was written (``periodic``, or ``preemption``: on a preemption notice).
+    Ray Train starts one attempt per worker group, a new one after each failure (``train.max_failures``)
+    or preemption (``train.max_preemption_failures``)."""
     import ray.train
 
     from training.checkpoint import latest_checkpoint
@@ -112,6 +115,7 @@ def attempt_worker(config: dict[str, Any]) -> None:
         except FileNotFoundError:
             attempts = []
         attempts.append({"started_at": time.time(), "resumed_step": found[1]["step"] if found else 0,
+                         "resumed_reason": found[1].get("reason", "periodic") if found else None,
                          "logged_step": logged, "logged_at": logged_at})
         write_json(url, attempts)
     train_worker(config)
@@ -122,13 +126,15 @@ def fault_summary(attempts: list[dict[str, Any]]) -> dict[str, Any]:
 
     Returns:
         ``worker_group_restarts`` (attempts after the first); ``resumed_from_steps`` (each restart's
-        checkpoint step s); ``redone_steps`` (sum over restarts of t - s, t the last step the failed
+        checkpoint step s); ``preemption_checkpoints`` (those of them written on a preemption notice,
+        :func:`training.loop.preemption_notice`); ``redone_steps`` (sum over restarts of t - s, t the last step the failed
         attempt logged: the optimizer steps computed twice); ``restart_seconds`` (sum over restarts of
         the wall seconds from the failed attempt's last logged step to the new worker group's start:
         fault detection, rescheduling and start-up; the redone steps' own time comes on top).
     """
     restarts = attempts[1:]
     return {"worker_group_restarts": len(restarts), "resumed_from_steps": [a["resumed_step"] for a in restarts],
+            "preemption_checkpoints": [a["resumed_step"] for a in restarts if a.get("resumed_reason") == "preemption"],
             "redone_steps": sum(max(0, a["logged_step"] - a["resumed_step"]) for a in restarts),
             "restart_seconds": round(sum(a["started_at"] - a["logged_at"] for a in restarts
                                          if a["logged_at"] is not None), 2)}
@@ -252,7 +258,9 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
             scaling_config=ray.train.ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                                    resources_per_worker={"CPU": cfg.train.cpus_per_worker}),
             run_config=ray.train.RunConfig(name=f"dspark-train-{name}", **ray_storage(cfg.run_dir, name),
-                                           failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures)),
+                                           failure_config=ray.train.FailureConfig(
+                                               max_failures=cfg.train.max_failures,
+                                               max_preemption_failures=cfg.train.max_preemption_failures)),
             **({"datasets": datasets, "dataset_config": dataset_config} if datasets is not None else {}))
         trainer.fit()
         return {**read_json(join(cfg.run_dir, "train", name, "result.json")),
