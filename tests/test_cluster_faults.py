@@ -250,6 +250,29 @@ def test_train_resumes_after_a_lost_worker_node(cluster, tiny_target_dir, chats,
     assert result["steps"] == 8
 
 
+@pytest.mark.parametrize("features", ["online", "hybrid"])
+def test_streaming_train_resumes_after_a_lost_worker_node(cluster, tiny_target_dir, chats, clean_cache, clean_train,
+                                                          features, tmp_path):
+    """Train fed by the streaming prefill actors (one per worker node; ``hybrid`` also commits the cache
+    while epoch 0 streams) loses the trainer's node, with a stream actor on it, after the first
+    checkpoint: the group resumes from it, the stream restarts from the resume position, and the
+    per-step losses and final weights equal the cache-mode run's (the same samples in the same
+    order); the hybrid run's cache shards equal the cache stage's byte for byte."""
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "train" / "dspark" / "checkpoints"
+
+    def lose_trainer_node():
+        kill_and_replace(cluster, cluster.node_of_actor("RayTrainWorker")[0])
+
+    run_disturbed(cluster, stage_entry("train", tiny_target_dir, chats, run_dir, f"train.features={features}"),
+                  lambda: len(list(ckpts.glob(f"step-*/{COMMIT_RECORD}"))) >= 1, lose_trainer_node, tmp_path / "job.log")
+    assert _losses(run_dir) == _losses(clean_train) and _final_weights(run_dir) == _final_weights(clean_train)
+    faults = _train_faults(run_dir)
+    assert faults["worker_group_restarts"] == 1 and faults["resumed_from_steps"][0] in (2, 4, 6)
+    if features == "hybrid":
+        assert shard_bytes(run_dir) == shard_bytes(clean_cache)
+
+
 def test_a_preempted_train_node_checkpoints_on_the_notice_and_resumes_there(cluster, tiny_target_dir, chats,
                                                                             clean_cache, clean_train, tmp_path):
     """Spot preemption: after the first checkpoint the trainer's node is drained for preemption with a
@@ -286,3 +309,56 @@ def test_a_preempted_train_node_checkpoints_on_the_notice_and_resumes_there(clus
     # before the deadline; the steps trained after it and before the fault are the only ones redone
     assert summary["preemption_checkpoints"] == ([resumed] if reasons[resumed] == "preemption" else [])
     assert 0 <= summary["redone_steps"] <= 1 and summary["restart_seconds"] > 0
+
+
+EVALUATE = ["~evaluate.prompt_sets", "evaluate.num_prompts=4", "evaluate.max_new_tokens=24", "evaluate.block_samples=8",
+            "evaluate.block_anchors=8", "evaluate.thresholds=[0.5]", "evaluate.concurrency=[1,4]", "evaluate.gpus=1",
+            "evaluate.cpus=1", "calibrate.refit_prompts=0"]
+
+
+TIMED = ("_ms_per_round", "tokens_per_s", "speedup_vs_target")  # measured speeds in the decoding-loop results
+
+
+def _untimed(value):
+    if isinstance(value, dict):
+        return {k: _untimed(v) for k, v in value.items() if not k.endswith(TIMED)}
+    return [_untimed(v) for v in value] if isinstance(value, list) else value
+
+
+def _tables(run_dir: Path) -> str:
+    """The evaluate summary's numbers that do not depend on the machine's speed: block-level and
+    decoding-loop tau and acceptance, thresholds, as JSON text (so NaN equals NaN); the speeds, the
+    scheduler and the SPS curve are timed, so they are left out."""
+    s = json.loads((run_dir / "evaluate" / "summary.json").read_text())
+    return json.dumps(_untimed({k: s[k] for k in ("blocks", "results", "thresholds", "prompts")}), sort_keys=True)
+
+
+def test_evaluate_survives_a_lost_worker_node(cluster, tiny_target_dir, chats, clean_train, tmp_path):
+    """The evaluate task (one declared GPU, so on a worker node) loses its node mid-run; Ray reruns the
+    task on the other node (``TASK_RETRIES``) and the tables equal the undisturbed run's."""
+    clean = tmp_path / "clean"
+    shutil.copytree(clean_train, clean)
+    r = cluster.submit(stage_entry("calibrate", tiny_target_dir, chats, clean, *EVALUATE))
+    assert r.returncode == 0, r.stdout[-4000:]
+    run_dir = tmp_path / "run"
+    shutil.copytree(clean, run_dir)
+    t0 = time.time()
+    r = cluster.submit(stage_entry("evaluate", tiny_target_dir, chats, clean, *EVALUATE))
+    assert r.returncode == 0, r.stdout[-4000:]
+    print(f"undisturbed evaluate: {time.time() - t0:.1f} s")
+    attempts = run_dir / "evaluate" / "attempts"
+
+    def started() -> bool:
+        return any(attempts.rglob("*.json"))
+
+    def lose_its_node():
+        time.sleep(3)  # past the target's load, into the evaluation
+        kill_and_replace(cluster, cluster.node_of_actor("dspark-evaluate")[0])
+
+    seconds = run_disturbed(cluster, stage_entry("evaluate", tiny_target_dir, chats, run_dir, *EVALUATE), started,
+                            lose_its_node, tmp_path / "job.log")
+    print(f"disturbed evaluate: {seconds:.1f} s")
+    assert _tables(run_dir) == _tables(clean)
+    faults = json.loads((run_dir / "evaluate" / "summary.json").read_text())["faults"]
+    assert faults["task_attempts"] == 2 and faults["nodes"] == 2 and faults["retry_seconds"] > 3
+    assert json.loads((clean / "evaluate" / "summary.json").read_text())["faults"]["task_attempts"] == 1

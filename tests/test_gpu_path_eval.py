@@ -224,16 +224,17 @@ def test_decoding_samples_from_a_generator_on_the_targets_device(monkeypatch):
     assert {k: [d.tokens for d in v] for k, v in out.items()} == {"a": [[1]], "b": [[2]]}
 
 
-def test_stage_tasks_ask_ray_for_the_configured_gpus(monkeypatch):
+def test_stage_tasks_ask_ray_for_the_configured_gpus(monkeypatch, tmp_path):
     """``calibrate.gpus`` / ``evaluate.gpus`` > 0: one Ray task with those ``num_gpus`` and ``num_cpus``
-    (the remote function's options), its result returned; 0: in the driver, no Ray at all."""
+    (the remote function's options) and two retries of a lost node or worker, its result returned with
+    its attempt count; 0: in the driver, no Ray at all."""
     import ray
 
     import pipeline.cluster
     from pipeline.config import RunConfig
     from pipeline.errors import ConfigError
     from pipeline.run import load_config
-    from pipeline.stages.calibrate import run_task, task_options
+    from pipeline.stages.calibrate import run_task, task_faults, task_options
 
     real_remote, made, inits = ray.remote, [], []
 
@@ -246,13 +247,18 @@ def test_stage_tasks_ask_ray_for_the_configured_gpus(monkeypatch):
 
     monkeypatch.setattr(ray, "remote", remote)
     monkeypatch.setattr(ray, "get", lambda ref: ref[1])
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("C", (), {"get_node_id": lambda self: "n1"})())
     monkeypatch.setattr(pipeline.cluster, "init_ray", lambda cfg: inits.append(cfg))
-    cfg = RunConfig()
-    assert run_task(cfg, lambda a, b: a + b, 2, 3, gpus=1, cpus=4, name="evaluate") == 5
-    assert made[0]["num_gpus"] == 1 and made[0]["num_cpus"] == 4 and made[0]["max_retries"] == 0 and inits == [cfg.ray]
-    assert run_task(cfg, lambda a: a * 2, 21, gpus=0, cpus=1, name="calibrate") == 42 and len(made) == 1
+    cfg = RunConfig(run_dir=str(tmp_path))
+    result, faults = run_task(cfg, lambda a, b: a + b, 2, 3, gpus=1, cpus=4, name="evaluate")
+    assert result == 5 and faults == {"task_attempts": 1, "nodes": 1, "retry_seconds": 0}
+    assert len(list((tmp_path / "evaluate" / "attempts").rglob("*.json"))) == 1
+    assert made[0]["num_gpus"] == 1 and made[0]["num_cpus"] == 4 and made[0]["max_retries"] == 2 and inits == [cfg.ray]
+    assert run_task(cfg, lambda a: a * 2, 21, gpus=0, cpus=1, name="calibrate") == (42, None) and len(made) == 1
     with pytest.raises(ConfigError, match="evaluate.gpus"):
         task_options(-1, 1, "evaluate")
+    assert task_faults([{"started_at": 10.0, "node": "a"}, {"started_at": 31.5, "node": "b"}]) == \
+        {"task_attempts": 2, "nodes": 2, "retry_seconds": 21.5}
     real = load_config(str(Path(__file__).resolve().parents[1] / "conf" / "qwen3_4b.yaml"), [])
     assert real.calibrate.gpus == real.evaluate.gpus == 1
     assert RunConfig().calibrate.gpus == RunConfig().evaluate.gpus == 0  # CPU configs run in the driver, as before

@@ -53,7 +53,7 @@ import torch
 
 from pipeline.config import RunConfig, confidence_sampling
 from pipeline.errors import ConfigError, PipelineError
-from storage import filesystem, join, write_json
+from storage import filesystem, join, read_json, write_json
 
 log = logging.getLogger("pipeline.stages.calibrate")
 
@@ -300,9 +300,14 @@ def load_confidence(url: str) -> ConfidenceSet:
     return ConfidenceSet(t["z"], t["y"], t["valid"].bool(), t.get("batch"))
 
 
+TASK_RETRIES = 2
+"""Reruns of a stage task whose worker process or node was lost (Ray's ``max_retries``: system failures
+only, so an exception raised by the task itself surfaces at once), as ``train.max_failures``."""
+
+
 def task_options(gpus: float, cpus: float, name: str) -> dict[str, Any]:
-    """Ray options of a stage's task (``ray.remote(**options)``): ``num_gpus``, ``num_cpus``, no retry
-    (a failure surfaces at once, as the train stage's ``max_failures`` default), the task's name.
+    """Ray options of a stage's task (``ray.remote(**options)``): ``num_gpus``, ``num_cpus``,
+    ``max_retries`` (:data:`TASK_RETRIES`: a lost node or worker reruns the task from its start), the task's name.
 
     Raises:
         ConfigError: ``gpus`` < 0 or ``cpus`` <= 0 (set ``<stage>.gpus`` >= 0 and ``<stage>.cpus`` > 0).
@@ -310,7 +315,27 @@ def task_options(gpus: float, cpus: float, name: str) -> dict[str, Any]:
     if gpus < 0 or cpus <= 0:
         raise ConfigError(f"{name}: need gpus >= 0 and cpus > 0 for its Ray task, got gpus={gpus}, cpus={cpus}: "
                           f"set {name}.gpus (0 = run in the driver on its CPU) and {name}.cpus")
-    return {"num_gpus": gpus, "num_cpus": cpus, "max_retries": 0, "name": f"dspark-{name}"}
+    return {"num_gpus": gpus, "num_cpus": cpus, "max_retries": TASK_RETRIES, "name": f"dspark-{name}"}
+
+
+def _attempt(url: str, fn, *args):
+    """A stage task's body: record this attempt (``{"started_at": Unix seconds, "node": Ray node id}``
+    as ``<url>/<ns>.json``), then ``fn(*args)``."""
+    import ray
+
+    write_json(join(url, f"{time.time_ns()}.json"),
+               {"started_at": time.time(), "node": ray.get_runtime_context().get_node_id()})
+    return fn(*args)
+
+
+def task_faults(attempts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """What lost nodes or workers cost a stage task, from its attempt records (:func:`_attempt`):
+    ``task_attempts`` (1 undisturbed), ``nodes`` (distinct nodes the attempts ran on) and
+    ``retry_seconds`` (wall seconds from the first attempt's start to the last one's: the work lost
+    with the failed attempts plus the time to detect the loss and reschedule)."""
+    starts = sorted(a["started_at"] for a in attempts)
+    return {"task_attempts": len(starts), "nodes": len({a["node"] for a in attempts}),
+            "retry_seconds": round(starts[-1] - starts[0], 2) if starts else 0}
 
 
 def task_device() -> str:
@@ -319,11 +344,15 @@ def task_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_task(cfg: RunConfig, fn, *args, gpus: float, cpus: float, name: str):
+def run_task(cfg: RunConfig, fn, *args, gpus: float, cpus: float, name: str) -> tuple[Any, dict[str, Any] | None]:
     """``fn(*args)`` where the accelerator is: with ``gpus`` > 0 as one Ray task asking for
     ``num_gpus=gpus`` and ``num_cpus=cpus`` (:func:`task_options`) on the cluster :func:`pipeline.cluster.init_ray`
     joins (the job's runtime env ships the code), its result returned to the driver; with ``gpus`` 0
     in this process (a CPU run as before: no Ray start-up, the same results bit for bit).
+
+    Returns:
+        ``(result, faults)``: ``faults`` is :func:`task_faults` over the task's attempts (recorded under
+        ``<run_dir>/<name>/attempts/``), None in this process.
 
     Raises:
         ConfigError: as :func:`task_options`. Whatever ``fn`` raises (through Ray a ``RayTaskError`` that
@@ -331,13 +360,16 @@ def run_task(cfg: RunConfig, fn, *args, gpus: float, cpus: float, name: str):
     """
     options = task_options(gpus, cpus, name)
     if gpus == 0:
-        return fn(*args)
+        return fn(*args), None
     import ray
 
     from pipeline.cluster import init_ray
 
     init_ray(cfg.ray)
-    return ray.get(ray.remote(**options)(fn).remote(*args))
+    url = join(cfg.run_dir, name, "attempts", str(time.time_ns()))
+    result = ray.get(ray.remote(**options)(_attempt).remote(url, fn, *args))
+    fs, path = filesystem(url)
+    return result, task_faults([read_json(join(url, f.rsplit("/", 1)[-1])) for f in fs.ls(path, detail=False)])
 
 
 def sample_prompts(reader, selection: HeldoutSelection, count: int) -> list[list[int]]:
@@ -510,8 +542,8 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     sampled = {"samples_used": selection.samples_used, "samples_available": selection.samples_available}
     summary: dict[str, Any] = {"heldout_shards": list(split.heldout), **sampled, "drafters": {}}
     names = [n for n, spec in cfg.train.drafters.items() if spec.confidence_head]
-    sets = run_task(cfg, collect_all, cfg, names, selection, gpus=cfg.calibrate.gpus, cpus=cfg.calibrate.cpus,
-                    name="calibrate") if names else {}
+    sets, summary["faults"] = run_task(cfg, collect_all, cfg, names, selection, gpus=cfg.calibrate.gpus,
+                                       cpus=cfg.calibrate.cpus, name="calibrate") if names else ({}, None)
     for name, spec in cfg.train.drafters.items():
         if not spec.confidence_head:
             summary["drafters"][name] = {"skipped": "no confidence head"}

@@ -347,7 +347,7 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
     from pipeline.stages.calibrate import run_task
 
     ev = cfg.evaluate
-    run = run_task(cfg, evaluate_on_device, cfg, gpus=ev.gpus, cpus=ev.cpus, name="evaluate")
+    run, faults = run_task(cfg, evaluate_on_device, cfg, gpus=ev.gpus, cpus=ev.cpus, name="evaluate")
     blocks, results, records, sps = run["blocks"], run["results"], run["records"], run["sps"]
     mode = f"Prompts and held-out blocks rendered with {thinking_mode(cfg.data.render)}.\n\n"
     out_dir = join(cfg.run_dir, "evaluate")
@@ -383,7 +383,7 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
             "results": results, "thresholds": run["thresholds"], "scheduler": scheduler,
             "settings": [T.to_dict() for T in evaluate_settings(cfg)], "confidence": confidence,
             "sps": {"batch_tokens": sps.batch_tokens.tolist(), "steps_per_s": sps.steps_per_s.tolist(),
-                    "source": ev.sps_table or "profiled on this machine"}}
+                    "source": ev.sps_table or "profiled on this machine"}, "faults": faults}
 
 
 def shipped_drafter(configs: dict[str, Any]) -> str | None:
