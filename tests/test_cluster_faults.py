@@ -98,6 +98,31 @@ def run_disturbed(cluster: LocalCluster, entry: list[str], ready, fault, log: Pa
     return time.time() - t0
 
 
+CLEAN_SECONDS: dict[str, float] = {}  # stage -> wall seconds of its undisturbed run on the cluster
+
+
+def submit_clean(cluster: LocalCluster, stage: str, entry: list[str]) -> None:
+    """Submit an undisturbed run of ``stage`` and keep its wall seconds (submit to end) in :data:`CLEAN_SECONDS`.
+
+    Raises:
+        AssertionError: the job failed (its output attached)."""
+    t0 = time.time()
+    r = cluster.submit(entry)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    CLEAN_SECONDS[stage] = time.time() - t0
+
+
+def record(scenario: str, stage: str | None, seconds: float, faults: dict) -> None:
+    """Append what a fault scenario cost (disturbed wall seconds, the undisturbed run's when comparable,
+    the summary's fault counts) as a JSON line to ``$DSPARK_FAULT_TIMES`` when it is set
+    (``bench/bench_cluster_faults.py`` prints the table from it)."""
+    out = os.environ.get("DSPARK_FAULT_TIMES")
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps({"scenario": scenario, "clean_s": CLEAN_SECONDS.get(stage) if stage else None,
+                                "disturbed_s": round(seconds, 1), "faults": faults}) + "\n")
+
+
 def busy_writer(cluster: LocalCluster, run_dir: Path, stage: str = "cache"):
     """The worker node and pid of the actor that committed the stage's newest shard (its commit
     record's ``writer_id``, ``writer`` for generate, is ``host:pid``): an actor past its start-up,
@@ -138,8 +163,7 @@ def chats(tmp_path_factory) -> Path:
 def clean_cache(cluster, tiny_target_dir, chats, tmp_path_factory) -> Path:
     """The undisturbed cache run's run_dir."""
     run_dir = tmp_path_factory.mktemp("clean")
-    r = cluster.submit(stage_entry("cache", tiny_target_dir, chats, run_dir))
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    submit_clean(cluster, "cache", stage_entry("cache", tiny_target_dir, chats, run_dir))
     return run_dir
 
 
@@ -149,11 +173,13 @@ def _committed(run_dir: Path, stage: str = "cache") -> int:
 
 def test_cache_survives_a_lost_worker_node(cluster, tiny_target_dir, chats, clean_cache, tmp_path):
     run_dir = tmp_path / "run"
-    run_disturbed(cluster, stage_entry("cache", tiny_target_dir, chats, run_dir), lambda: _committed(run_dir) >= 2,
-                  lambda: kill_and_replace(cluster, busy_writer(cluster, run_dir)[0]), tmp_path / "job.log")  # each worker node holds one prefill actor
+    seconds = run_disturbed(cluster, stage_entry("cache", tiny_target_dir, chats, run_dir), lambda: _committed(run_dir) >= 2,
+                            lambda: kill_and_replace(cluster, busy_writer(cluster, run_dir)[0]),  # one prefill actor per worker node
+                            tmp_path / "job.log")
     assert shard_bytes(run_dir) == shard_bytes(clean_cache) and len(commit_checksums(run_dir)) == 12
     assert commit_checksums(run_dir) == commit_checksums(clean_cache)
     faults = json.loads((run_dir / "cache" / "summary.json").read_text())["faults"]
+    record("cache: worker node lost", "cache", seconds, faults)
     # the lost node's actor had one or two shards in flight (cache: two calls per actor at once)
     assert faults["actors_lost"] == 1 and len(faults["redone_shards"]) in (1, 2) and faults["retry_delay_seconds"] > 0
     clean = json.loads((clean_cache / "cache" / "summary.json").read_text())["faults"]
@@ -168,11 +194,12 @@ def test_cache_survives_a_killed_actor_process(cluster, tiny_target_dir, chats, 
     def kill_actor():
         os.kill(busy_writer(cluster, run_dir)[1], signal.SIGKILL)
 
-    run_disturbed(cluster, stage_entry("cache", tiny_target_dir, chats, run_dir), lambda: _committed(run_dir) >= 2,
-                  kill_actor, tmp_path / "job.log")
+    seconds = run_disturbed(cluster, stage_entry("cache", tiny_target_dir, chats, run_dir),
+                            lambda: _committed(run_dir) >= 2, kill_actor, tmp_path / "job.log")
     assert [n.node_id for n in cluster.workers] == nodes
     assert shard_bytes(run_dir) == shard_bytes(clean_cache)
     faults = json.loads((run_dir / "cache" / "summary.json").read_text())["faults"]
+    record("cache: prefill actor SIGKILLed", "cache", seconds, faults)
     assert faults["actors_lost"] == 1 and len(faults["redone_shards"]) in (1, 2)  # one actor: 2 calls at once
 
 
@@ -188,14 +215,15 @@ def test_generate_survives_a_lost_worker_node(cluster, tiny_target_dir, chats, t
     that just committed a shard is lost mid-shard and a node added back: the shard files equal the
     undisturbed run's byte for byte (each row's sampling seeded by its row, whichever actor runs it)."""
     clean = tmp_path / "clean"
-    r = cluster.submit(stage_entry("generate", tiny_target_dir, chats, clean))
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    submit_clean(cluster, "generate", stage_entry("generate", tiny_target_dir, chats, clean))
     run_dir = tmp_path / "run"
-    run_disturbed(cluster, stage_entry("generate", tiny_target_dir, chats, run_dir),
-                  lambda: _committed(run_dir, "generate") >= 2,
-                  lambda: kill_and_replace(cluster, busy_writer(cluster, run_dir, "generate")[0]), tmp_path / "job.log")
+    seconds = run_disturbed(cluster, stage_entry("generate", tiny_target_dir, chats, run_dir),
+                            lambda: _committed(run_dir, "generate") >= 2,
+                            lambda: kill_and_replace(cluster, busy_writer(cluster, run_dir, "generate")[0]),
+                            tmp_path / "job.log")
     assert _generated(run_dir) == _generated(clean) and _committed(run_dir, "generate") == 12
     faults = json.loads((run_dir / "generate" / "summary.json").read_text())["faults"]
+    record("generate: worker node lost", "generate", seconds, faults)
     assert faults["actors_lost"] == 1 and len(faults["redone_shards"]) in (1, 2) and faults["retry_delay_seconds"] > 0
     clean_faults = json.loads((clean / "generate" / "summary.json").read_text())["faults"]
     assert clean_faults == {"actors_started": 2, "actors_lost": 0, "redone_shards": [], "retry_delay_seconds": 0}
@@ -221,8 +249,7 @@ def _final_weights(run_dir: Path) -> bytes:
 def clean_train(cluster, tiny_target_dir, chats, clean_cache, tmp_path_factory) -> Path:
     """The undisturbed train run's run_dir (on the undisturbed cache)."""
     clean = _train_run(clean_cache, tmp_path_factory.mktemp("train") / "clean")
-    r = cluster.submit(stage_entry("train", tiny_target_dir, chats, clean))
-    assert r.returncode == 0, r.stdout[-4000:]
+    submit_clean(cluster, "train", stage_entry("train", tiny_target_dir, chats, clean))
     return clean
 
 
@@ -238,12 +265,14 @@ def test_train_resumes_after_a_lost_worker_node(cluster, tiny_target_dir, chats,
         node, _ = cluster.node_of_actor("RayTrainWorker")
         kill_and_replace(cluster, node)
 
-    run_disturbed(cluster, stage_entry("train", tiny_target_dir, chats, run_dir),
-                  lambda: len(list(ckpts.glob("step-*/COMMITTED.json"))) >= 1, lose_trainer_node, tmp_path / "job.log")
+    seconds = run_disturbed(cluster, stage_entry("train", tiny_target_dir, chats, run_dir),
+                            lambda: len(list(ckpts.glob(f"step-*/{COMMIT_RECORD}"))) >= 1, lose_trainer_node,
+                            tmp_path / "job.log")
     assert _losses(run_dir) == _losses(clean_train) and [s for s, _ in _losses(run_dir)] == list(range(1, 9))
     assert _final_weights(run_dir) == _final_weights(clean_train)
     result = json.loads((run_dir / "train" / "dspark" / "result.json").read_text())
     summary = _train_faults(run_dir)
+    record("train (cache features): trainer's node lost", "train", seconds, summary)
     assert summary["worker_group_restarts"] == 1 and summary["resumed_from_steps"][0] in (2, 4, 6)
     assert summary["preemption_checkpoints"] == []
     assert 0 <= summary["redone_steps"] <= 2 and summary["restart_seconds"] > 0
@@ -264,10 +293,12 @@ def test_streaming_train_resumes_after_a_lost_worker_node(cluster, tiny_target_d
     def lose_trainer_node():
         kill_and_replace(cluster, cluster.node_of_actor("RayTrainWorker")[0])
 
-    run_disturbed(cluster, stage_entry("train", tiny_target_dir, chats, run_dir, f"train.features={features}"),
-                  lambda: len(list(ckpts.glob(f"step-*/{COMMIT_RECORD}"))) >= 1, lose_trainer_node, tmp_path / "job.log")
+    seconds = run_disturbed(cluster, stage_entry("train", tiny_target_dir, chats, run_dir, f"train.features={features}"),
+                            lambda: len(list(ckpts.glob(f"step-*/{COMMIT_RECORD}"))) >= 1, lose_trainer_node,
+                            tmp_path / "job.log")
     assert _losses(run_dir) == _losses(clean_train) and _final_weights(run_dir) == _final_weights(clean_train)
     faults = _train_faults(run_dir)
+    record(f"train ({features} features): trainer's node lost", None, seconds, faults)  # no undisturbed streaming run
     assert faults["worker_group_restarts"] == 1 and faults["resumed_from_steps"][0] in (2, 4, 6)
     if features == "hybrid":
         assert shard_bytes(run_dir) == shard_bytes(clean_cache)
@@ -294,11 +325,12 @@ def test_a_preempted_train_node_checkpoints_on_the_notice_and_resumes_there(clus
         time.sleep(max(0.0, noticed_at + deadline_s - time.time()))
         cluster.terminate_node(node, grace_s=5)
 
-    run_disturbed(cluster, stage_entry("train", tiny_target_dir, chats, run_dir, "train.step_delay_s=2.0"),
-                  lambda: len(list(ckpts.glob("step-*/COMMITTED.json"))) >= 1, preempt,
-                  tmp_path / "job.log", env_vars={"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.2"})
+    seconds = run_disturbed(cluster, stage_entry("train", tiny_target_dir, chats, run_dir, "train.step_delay_s=2.0"),
+                            lambda: len(list(ckpts.glob(f"step-*/{COMMIT_RECORD}"))) >= 1, preempt,
+                            tmp_path / "job.log", env_vars={"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.2"})
     assert _losses(run_dir) == _losses(clean_train) and _final_weights(run_dir) == _final_weights(clean_train)
     summary = _train_faults(run_dir)
+    record("train: trainer's node preempted (6 s notice, SIGTERM, SIGKILL 5 s later)", None, seconds, summary)
     assert summary["worker_group_restarts"] == 1, summary
     (resumed,) = summary["resumed_from_steps"]
     reasons = {int(p.parent.name.split("-")[1]): json.loads(p.read_text())["reason"]
@@ -338,14 +370,10 @@ def test_evaluate_survives_a_lost_worker_node(cluster, tiny_target_dir, chats, c
     task on the other node (``TASK_RETRIES``) and the tables equal the undisturbed run's."""
     clean = tmp_path / "clean"
     shutil.copytree(clean_train, clean)
-    r = cluster.submit(stage_entry("calibrate", tiny_target_dir, chats, clean, *EVALUATE))
-    assert r.returncode == 0, r.stdout[-4000:]
+    submit_clean(cluster, "calibrate", stage_entry("calibrate", tiny_target_dir, chats, clean, *EVALUATE))
     run_dir = tmp_path / "run"
     shutil.copytree(clean, run_dir)
-    t0 = time.time()
-    r = cluster.submit(stage_entry("evaluate", tiny_target_dir, chats, clean, *EVALUATE))
-    assert r.returncode == 0, r.stdout[-4000:]
-    print(f"undisturbed evaluate: {time.time() - t0:.1f} s")
+    submit_clean(cluster, "evaluate", stage_entry("evaluate", tiny_target_dir, chats, clean, *EVALUATE))
     attempts = run_dir / "evaluate" / "attempts"
 
     def started() -> bool:
@@ -357,8 +385,8 @@ def test_evaluate_survives_a_lost_worker_node(cluster, tiny_target_dir, chats, c
 
     seconds = run_disturbed(cluster, stage_entry("evaluate", tiny_target_dir, chats, run_dir, *EVALUATE), started,
                             lose_its_node, tmp_path / "job.log")
-    print(f"disturbed evaluate: {seconds:.1f} s")
     assert _tables(run_dir) == _tables(clean)
     faults = json.loads((run_dir / "evaluate" / "summary.json").read_text())["faults"]
+    record("evaluate: the task's node lost", "evaluate", seconds, faults)
     assert faults["task_attempts"] == 2 and faults["nodes"] == 2 and faults["retry_seconds"] > 3
     assert json.loads((clean / "evaluate" / "summary.json").read_text())["faults"]["task_attempts"] == 1
