@@ -32,8 +32,8 @@ demo-cluster: install
 test: install
 	$(PY) -m pytest -q
 
-# Only the node- and actor-loss tests on a 3-raylet local cluster (tests/test_cluster_faults.py, issue #37;
-# about 4 min on 2 cores, part of make test too); bench/bench_cluster_faults.py times the same scenarios.
+# Only the node-, actor-loss and preemption tests on a 3-raylet local cluster (tests/test_cluster_faults.py, issue #37;
+# about 10 min on 2 cores, part of make test too); bench/bench_cluster_faults.py prints what each fault cost.
 test-faults: install
 	$(PY) -m pytest -q -m cluster_faults
 

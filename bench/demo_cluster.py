@@ -1,14 +1,30 @@
-"""The demo as a cluster user runs it: `+stage=all conf/tiny.yaml` submitted with `ray job submit` to a
-local Ray head, `run_dir` on a local S3 server (moto); its figures are then compared, side by side,
-with those of a local `make demo` run.
+"""The demo beside, and on, a user's Ray cluster (issue #37).
+
+A Ray head is started as a user's plain ``ray start --head`` is (discoverable in Ray's default temp dir,
+kept under a private ``RAY_TMPDIR`` so that no other Ray user of the machine is touched). Then:
+
+1. ``make demo``'s command (``+stage=all conf/tiny.yaml``, no ``ray.address``, ``RAY_ADDRESS`` unset)
+   runs beside it: it must pass on a private instance and leave the head as it found it (nodes, jobs,
+   actors counted before and after);
+2. the same demo is submitted to that head with ``ray job submit``, ``run_dir`` on a local S3 server
+   (moto);
+
+and the figures of the two runs are compared side by side (times excluded).
 
     python bench/demo_cluster.py [--local runs/tiny]      (make demo-cluster)
+
+``--local DIR``: compare with that earlier local run instead of running step 1.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from common import REPO, s3_server
 
@@ -34,29 +50,63 @@ def figures(run_dir: str) -> dict[str, object]:
     return out
 
 
+def demo_beside(env: dict[str, str], gcs: str, run_dir: Path) -> float:
+    """``make demo``'s command with a user's head up and no address: returns its wall seconds.
+
+    Raises:
+        SystemExit: the demo failed, or the head's nodes, jobs or actors changed during it."""
+    from pipeline.cluster import head_counts
+    from pipeline.run import DEFAULT_CONFIG
+
+    before = head_counts(gcs)
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "pipeline.run", "+stage=all", str(DEFAULT_CONFIG), f"run_dir={run_dir}"],
+                       env=env, cwd=REPO)
+    seconds = time.perf_counter() - t0
+    if r.returncode != 0:
+        sys.exit(f"the demo beside the user's head failed (exit {r.returncode})")
+    after = head_counts(gcs)
+    if after != before:
+        sys.exit(f"the demo without ray.address touched the user's head: {before} -> {after}")
+    print(f"\nthe demo beside a user's `ray start --head`: passed in {seconds:.0f} s; "
+          f"the head untouched ({after})\n")
+    return seconds
+
+
 def main() -> None:
     from pipeline.cluster import local_head, submit
     from pipeline.run import DEFAULT_CONFIG
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--local", default=str(REPO / "runs" / "tiny"), help="run_dir of a local `make demo`")
+    ap.add_argument("--local", default=None, help="run_dir of an earlier local `make demo` (skips step 1)")
     args = ap.parse_args()
-    with s3_server() as bucket:
-        run_dir = f"{bucket}/tiny"
-        with local_head(num_cpus=2) as (ray_bin, address, env):
-            t0 = time.perf_counter()
-            r = submit(ray_bin, address, env, [sys.executable, "-m", "pipeline.run", "+stage=all",
-                                               str(DEFAULT_CONFIG), f"run_dir={run_dir}"], timeout_s=3600)
-            seconds = time.perf_counter() - t0
-        print(r.stdout[-4000:])
-        if r.returncode != 0:
-            sys.exit(f"ray job failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
-        remote, local = figures(run_dir), figures(args.local)
+    root = Path(tempfile.mkdtemp(prefix="ru", dir="/tmp"))  # short: Ray's socket paths live under it
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(root), PYTHONPATH=str(REPO))
+    local = args.local or str(REPO / "runs" / "tiny-beside-head")
+    try:
+        with s3_server() as bucket:
+            run_dir = f"{bucket}/tiny"
+            env.update({k: v for k, v in os.environ.items() if k.startswith("AWS_")})  # the jobs reach the S3 server
+            with local_head(num_cpus=2, env=env, discoverable=True) as (ray_bin, address, env):
+                if args.local is None:
+                    shutil.rmtree(local, ignore_errors=True)
+                    demo_beside(env, (root / "ray" / "ray_current_cluster").read_text().strip(), Path(local))
+                t0 = time.perf_counter()
+                r = submit(ray_bin, address, env, [sys.executable, "-m", "pipeline.run", "+stage=all",
+                                                   str(DEFAULT_CONFIG), f"run_dir={run_dir}"], timeout_s=3600)
+                seconds = time.perf_counter() - t0
+            print(r.stdout[-4000:])
+            if r.returncode != 0:
+                sys.exit(f"ray job failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+            remote, here = figures(run_dir), figures(local)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     print(f"\n`ray job submit` of +stage=all with run_dir={run_dir}: {seconds:.0f} s\n")
-    print(f"| figure | local ({args.local}) | ray job + S3 | same |\n|---|---|---|---|")
+    print(f"| figure | local ({local}) | ray job + S3 | same |\n|---|---|---|---|")
     for k, v in remote.items():
-        print(f"| {k} | {local.get(k)} | {v} | {'yes' if local.get(k) == v else 'NO'} |")
-    same = sum(local.get(k) == v for k, v in remote.items())
+        print(f"| {k} | {here.get(k)} | {v} | {'yes' if here.get(k) == v else 'NO'} |")
+    same = sum(here.get(k) == v for k, v in remote.items())
     print(f"\n{same} of {len(remote)} figures identical")
 
 

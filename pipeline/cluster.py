@@ -359,6 +359,16 @@ def local_head(num_cpus: int, env: dict[str, str] | None = None, timeout_s: floa
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def head_counts(gcs_address: str) -> dict[str, int]:
+    """Alive nodes, jobs and actors that the GCS at ``gcs_address`` (HOST:PORT) knows of, read without
+    joining its cluster: what shows that a run left a user's cluster alone."""
+    from ray._private.internal_api import get_state_from_address
+
+    state = get_state_from_address(gcs_address)
+    return {"alive_nodes": sum(n["Alive"] for n in state.node_table()), "jobs": len(state.job_table()),
+            "actors": len(state.actor_table(None))}
+
+
 def submit(ray_bin: str, address: str, env: dict[str, str], entrypoint: list[str], timeout_s: float):
     """``ray job submit --address ADDRESS -- ENTRYPOINT``, retried while the head's job agent is still
     starting (it may answer a few seconds after the dashboard). Returns the CompletedProcess; raises

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.cluster import local_head
+from pipeline.cluster import head_counts, local_head
 from pipeline.run import DEFAULT_CONFIG
 
 pytestmark = pytest.mark.integration
@@ -37,15 +37,6 @@ def user_head():
             yield SimpleNamespace(env=env, gcs=(root / "ray" / "ray_current_cluster").read_text().strip())
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-
-def _head_counts(gcs: str) -> dict[str, int]:
-    """Alive nodes, jobs and actors the head's GCS knows of (read without joining the cluster)."""
-    from ray._private.internal_api import get_state_from_address
-
-    state = get_state_from_address(gcs)
-    return {"alive_nodes": sum(n["Alive"] for n in state.node_table()), "jobs": len(state.job_table()),
-            "actors": len(state.actor_table(None))}
 
 
 def _cache_stage(run_dir: Path, target: str, cases: Path, env: dict, *extra: str) -> subprocess.Popen:
@@ -68,19 +59,19 @@ def _checksums(run_dir: Path) -> dict[str, dict[str, str]]:
 
 
 def test_runs_leave_a_users_ray_start_cluster_alone_unless_asked(user_head, tiny_target_dir, input_cases, tmp_path):
-    before = _head_counts(user_head.gcs)
+    before = head_counts(user_head.gcs)
     assert before["alive_nodes"] == 1
     # two concurrent runs without an address, each with its own run_dir: each starts a private instance
     a, b = (_cache_stage(tmp_path / name, tiny_target_dir, input_cases, user_head.env, "ray.num_cpus=2")
             for name in ("a", "b"))
     outs = [_finish(a), _finish(b)]
-    assert _head_counts(user_head.gcs) == before, "a run without ray.address joined the user's cluster"
+    assert head_counts(user_head.gcs) == before, "a run without ray.address joined the user's cluster"
     assert not any("Connecting to existing Ray cluster" in out for out in outs)
     lone = _checksums(tmp_path / "a")
     assert len(lone) == 2 and _checksums(tmp_path / "b") == lone  # 2 shards: s1 s2 s3 | s6
     # asked to join: the user's head runs it (one more job there), with the same committed shards
     _finish(_cache_stage(tmp_path / "c", tiny_target_dir, input_cases, user_head.env, "ray.address=auto"))
-    after = _head_counts(user_head.gcs)
+    after = head_counts(user_head.gcs)
     assert after["jobs"] == before["jobs"] + 1 and after["alive_nodes"] == 1
     assert _checksums(tmp_path / "c") == lone
 
