@@ -28,7 +28,8 @@ def cost(faults: dict) -> str:
     if "task_attempts" in faults:
         return f"{faults['task_attempts']} attempts on {faults['nodes']} nodes, retry after {faults['retry_seconds']} s"
     return (f"{faults['worker_group_restarts']} restart from step {faults['resumed_from_steps']}"
-            f"{' (preemption checkpoint)' if faults.get('preemption_checkpoints') else ''}, "
+            f"{' (preemption checkpoint)' if faults.get('preemption_checkpoints') else ''}"
+            f"{'' if faults.get('notice_delivered', True) else ' (the notice not delivered in time)'}, "
             f"{faults['redone_steps']} steps redone, {faults['restart_seconds']} s to restart")
 
 
