@@ -361,7 +361,10 @@ def local_head(num_cpus: int, env: dict[str, str] | None = None, timeout_s: floa
 
 def head_counts(gcs_address: str) -> dict[str, int]:
     """Alive nodes, jobs and actors that the GCS at ``gcs_address`` (HOST:PORT) knows of, read without
-    joining its cluster: what shows that a run left a user's cluster alone."""
+    joining its cluster: what shows that a run left a user's cluster alone.
+
+    Raises:
+        Ray's connection error: no GCS answers at ``gcs_address``."""
     from ray._private.internal_api import get_state_from_address
 
     state = get_state_from_address(gcs_address)

@@ -255,12 +255,14 @@ def _resume(engine, train_url: str, world: int, zero_stage: int, optimizer: str,
     return Position(state["step"], state["epoch"], state["micro"]), (consumed[rank] if rank < len(consumed) else {})
 
 
-def preemption_notice(job: TrainJob, step: int) -> bool:
+def preemption_notice(job: TrainJob, step: int, device: torch.device) -> bool:
     """Whether Ray Train has a preemption notice for this worker group (``ray.train.get_preemption_info``:
     a node of the group drained with reason preemption, as a cloud autoscaler or a node's SIGTERM hook
     does with ``ray drain-node``), looked up after optimizer step ``step`` when it is a multiple of
     ``job.preemption_check_every_steps`` (0: never). A collective: every rank calls it at the same
-    steps. Never where Ray Train's preemption watcher is off (``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0``,
+    steps, and the answer is the max over ranks (a one-element all-reduce on ``device``), because Ray
+    passes the notice to each worker on its own and the checkpoint the caller writes on it is itself a
+    collective. Never where Ray Train's preemption watcher is off (``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0``,
     which a private local instance sets: a workstation is not preempted), so a local run pays nothing.
     The caller writes a checkpoint on the first notice, so that the restart after the node is gone
     redoes only the steps trained after it (docs/failures.md)."""
@@ -270,7 +272,10 @@ def preemption_notice(job: TrainJob, step: int) -> bool:
         return False
     import ray.train
 
-    return ray.train.get_preemption_info() is not None
+    noticed = torch.tensor([int(ray.train.get_preemption_info() is not None)], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(noticed, op=dist.ReduceOp.MAX)
+    return bool(noticed.item())
 
 
 def _dataset(name: str, required: bool = True):
@@ -520,7 +525,7 @@ def train_worker(config: dict[str, Any]) -> None:
                 _show_step(last, bar)
             t_step, tokens, waited = time.perf_counter(), 0, feed.wait_seconds
             reason = "periodic" if pos.step % job.checkpoint_every_steps == 0 or pos.step == total else None
-            if not noticed and preemption_notice(job, pos.step):  # at most one checkpoint per notice
+            if not noticed and preemption_notice(job, pos.step, module_device(engine.module)):  # one per notice
                 noticed, reason = True, "preemption"
             if reason is not None:
                 if rank == 0:
