@@ -31,11 +31,13 @@ from training.heads import HEAD_TYPES, ConfidenceHead, build_sequential_head, sa
 from training.losses import LossConfig, LossOutput, SupervisedSlots, drafter_loss
 from training.spec_sampling import Sampling
 
-__all__ = ["DrafterConfig", "DraftContext", "DraftResult", "Drafter", "resolve_attention", "compiled_flex_attention",
+__all__ = ["DrafterConfig", "DraftContext", "DraftResult", "Drafter", "new_drafter", "check_target_fit",
+           "draft_layer_config", "resolve_attention", "compiled_flex_attention",
            "FLEX_GRAPH_LIMIT", "FROZEN_STATE"]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 INIT_MODES = ("random", "target", "pretrained")
+ARCHITECTURES = ("dflash", "eagle3")
 FROZEN_STATE = ("embed_tokens.weight", "lm_head.weight", "target_lm_head", "d2t")
 """State-dict entries a drafter takes from the target (or fixes before training): never trained, never loaded
 from a published drafter (:meth:`Drafter.load_pretrained`)."""
@@ -49,6 +51,11 @@ class DrafterConfig:
         target_layer_ids: ascending target layers whose outputs are the context features
             (-1 = embedding output; never the final layer).
         mask_token_id: token id of the mask slots (Qwen3 recipe: 151669).
+        architecture: ``"dflash"`` (the DFlash block-parallel backbone, :class:`Drafter`; DSpark with a
+            sequential head) or ``"eagle3"`` (:class:`training.eagle3.Eagle3Drafter`: one decoder layer
+            drafting autoregressively over three of the captured layers, :attr:`eagle3_layer_ids`; it
+            needs ``num_layers=1``, ``sample_from_anchor``, no sequential or confidence head, and
+            ``init`` random or pretrained).
         num_layers: draft decoder layers n. block_size: gamma (drafted tokens per block).
         sample_from_anchor: block layout, True = DSpark ``[anchor, mask x (gamma-1)]``, False =
             DFlash ``[anchor, mask x gamma]`` (see :mod:`training.blocks`). Never inferred.
@@ -79,6 +86,7 @@ class DrafterConfig:
 
     target_layer_ids: Sequence[int]
     mask_token_id: int
+    architecture: str = "dflash"
     num_layers: int = 5
     block_size: int = 7
     sample_from_anchor: bool = True
@@ -115,6 +123,18 @@ class DrafterConfig:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         if self.init not in INIT_MODES:
             raise ValueError(f"init must be one of {INIT_MODES}, got {self.init!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
+        if self.architecture == "eagle3":
+            wrong = {k: v for k, v in (("num_layers", self.num_layers), ("sample_from_anchor", self.sample_from_anchor),
+                                       ("markov_rank", self.markov_rank), ("confidence_head", self.confidence_head))
+                     if v != {"num_layers": 1, "sample_from_anchor": True, "markov_rank": 0,
+                              "confidence_head": False}[k]}
+            if wrong or len(self.target_layer_ids) < 3 or self.init == "target":
+                raise ValueError("an eagle3 drafter is one decoder layer over three captured layers, without heads: it "
+                                 "needs num_layers=1, sample_from_anchor=true, markov_rank=0 (head: none), "
+                                 "confidence_head=false, at least 3 target_layer_ids and init random or pretrained; got "
+                                 f"{wrong or ''} target_layer_ids={self.target_layer_ids} init={self.init!r}")
         if (self.init == "pretrained") != (self.init_path is not None):
             raise ValueError("init 'pretrained' needs init_path (and only it takes one), got "
                              f"init={self.init!r}, init_path={self.init_path!r}")
@@ -123,6 +143,13 @@ class DrafterConfig:
     def confidence_sampling(self) -> Sampling:
         """The confidence label's sampling setting. Raises ValueError (naming the value) if out of range."""
         return Sampling(self.confidence_temperature, self.confidence_top_p, self.confidence_top_k)
+
+    @property
+    def eagle3_layer_ids(self) -> tuple[int, int, int]:
+        """The low, middle and high captured layers an eagle3 drafter fuses (EAGLE-3, Li et al. 2025,
+        sec. 3: low-, mid- and high-level features): the first, middle and last of ``target_layer_ids``."""
+        ids = self.target_layer_ids
+        return ids[0], ids[len(ids) // 2], ids[-1]
 
     @property
     def slots(self) -> int:
@@ -204,6 +231,14 @@ class DraftResult:
     confidence_input: torch.Tensor | None = None
 
 
+def draft_layer_config(target_config: Qwen3Config, num_layers: int) -> Qwen3Config:
+    """The target's config with ``num_layers`` full-attention layers: the draft decoder layers' config."""
+    layer_cfg = target_config.to_dict()
+    layer_cfg.pop("layer_types", None)
+    layer_cfg.update(num_hidden_layers=num_layers, use_sliding_window=False)
+    return Qwen3Config(**layer_cfg)
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE (Su et al. 2021, eq. 34; HF rotate-half layout): x [B, h, L, d], cos/sin [B, L, d]."""
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
@@ -246,6 +281,35 @@ def _attend(q, k, v, mask, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+def check_target_fit(config: DrafterConfig, target_config: Qwen3Config, embed_weight: torch.Tensor,
+                     lm_head_weight: torch.Tensor) -> None:
+    """Raise ValueError if a drafter config or the frozen weights do not fit the target: a captured layer
+    past ``num_hidden_layers - 2`` (the last layer is returned after the final norm), a mask token outside
+    the vocabulary, or ``embed_weight`` / ``lm_head_weight`` not ``[V, H]`` of ``target_config``."""
+    V, H = target_config.vocab_size, target_config.hidden_size
+    n_target = target_config.num_hidden_layers
+    if config.target_layer_ids[-1] > n_target - 2:
+        raise ValueError(f"target_layer_ids {config.target_layer_ids} must be <= {n_target - 2}: the "
+                         f"last of the target's {n_target} layers is returned after the final norm")
+    if not 0 <= config.mask_token_id < V:
+        raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target vocabulary [0, {V})")
+    for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
+        if tuple(w.shape) != (V, H):
+            raise ValueError(f"{name} is {tuple(w.shape)}, the target config says [{V}, {H}]")
+
+
+def new_drafter(config: DrafterConfig, target_config: Qwen3Config, embed_weight: torch.Tensor,
+                lm_head_weight: torch.Tensor, d2t: torch.Tensor | None = None) -> "Drafter":
+    """A freshly initialised drafter of ``config.architecture``: :class:`Drafter` (``"dflash"``: DFlash, and
+    DSpark with its heads) or :class:`training.eagle3.Eagle3Drafter` (``"eagle3"``); arguments and errors as
+    :class:`Drafter`'s."""
+    if config.architecture == "eagle3":
+        from training.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter(config, target_config, embed_weight, lm_head_weight, d2t)
+    return Drafter(config, target_config, embed_weight, lm_head_weight, d2t)
+
+
 class Drafter(nn.Module):
     """DSpark/DFlash drafter on a Qwen3 target.
 
@@ -264,26 +328,32 @@ class Drafter(nn.Module):
     def __init__(self, config: DrafterConfig, target_config: Qwen3Config, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, d2t: torch.Tensor | None = None):
         super().__init__()
+        if config.architecture != "dflash":
+            raise ValueError(f"Drafter builds the DFlash backbone; architecture {config.architecture!r} is built by "
+                             "training.drafter.new_drafter")
+        check_target_fit(config, target_config, embed_weight, lm_head_weight)
         V, H = target_config.vocab_size, target_config.hidden_size
-        n_target = target_config.num_hidden_layers
-        if config.target_layer_ids[-1] > n_target - 2:
-            raise ValueError(f"target_layer_ids {config.target_layer_ids} must be <= {n_target - 2}: the "
-                             f"last of the target's {n_target} layers is returned after the final norm")
-        if not 0 <= config.mask_token_id < V:
-            raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target vocabulary [0, {V})")
-        for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
-            if tuple(w.shape) != (V, H):
-                raise ValueError(f"{name} is {tuple(w.shape)}, the target config says [{V}, {H}]")
         self.config = config
-        layer_cfg = target_config.to_dict()
-        layer_cfg.pop("layer_types", None)
-        layer_cfg.update(num_hidden_layers=config.num_layers, use_sliding_window=False)
-        self.layer_config = Qwen3Config(**layer_cfg)
+        self.layer_config = draft_layer_config(target_config, config.num_layers)
         self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = Qwen3RMSNorm(H, eps=target_config.rms_norm_eps)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(self.layer_config, i) for i in range(config.num_layers))
         self.norm = Qwen3RMSNorm(H, eps=target_config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(self.layer_config)
+        Vd = self._init_vocab(config, embed_weight, lm_head_weight, d2t)
+        self.markov_head = build_sequential_head(config.head_type, vocab_size=V, draft_vocab_size=Vd,
+                                                 rank=config.markov_rank, hidden_size=H,
+                                                 slots=config.block_size)
+        self.confidence_head = ConfidenceHead(H + config.markov_rank) if config.confidence_head else None
+        self._init_trainable(target_config.initializer_range)
+        self.register_load_state_dict_pre_hook(self._check_d2t)
+
+    def _init_vocab(self, config: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                    d2t: torch.Tensor | None) -> int:
+        """The frozen vocabulary modules: ``embed_tokens`` (the target's), ``lm_head`` (the target's rows of
+        the draft vocabulary), and with a reduced draft vocabulary ``d2t`` / ``draft_ids`` / the full
+        ``target_lm_head``. Returns the draft vocabulary size. Raises ValueError for a missing or
+        mis-sized ``d2t``."""
         self.embed_tokens = nn.Embedding.from_pretrained(embed_weight.detach(), freeze=True)
         if config.draft_vocab_size is not None:
             if d2t is None or tuple(d2t.shape) != (config.draft_vocab_size,):
@@ -296,15 +366,9 @@ class Drafter(nn.Module):
             lm_head_weight = lm_head_weight.detach()[draft_ids]
         elif d2t is not None:
             raise ValueError("d2t given but config.draft_vocab_size is None: set draft_vocab_size = len(d2t)")
-        self.lm_head = nn.Linear(H, lm_head_weight.shape[0], bias=False, device="meta")
+        self.lm_head = nn.Linear(lm_head_weight.shape[1], lm_head_weight.shape[0], bias=False, device="meta")
         self.lm_head.weight = nn.Parameter(lm_head_weight.detach(), requires_grad=False)
-        Vd = lm_head_weight.shape[0]
-        self.markov_head = build_sequential_head(config.head_type, vocab_size=V, draft_vocab_size=Vd,
-                                                 rank=config.markov_rank, hidden_size=H,
-                                                 slots=config.block_size)
-        self.confidence_head = ConfidenceHead(H + config.markov_rank) if config.confidence_head else None
-        self._init_trainable(target_config.initializer_range)
-        self.register_load_state_dict_pre_hook(self._check_d2t)
+        return lm_head_weight.shape[0]
 
     def _init_trainable(self, std: float) -> None:
         """Linear/embedding weights ~ N(0, std), biases 0, norms 1 (Qwen3 init); ``markov_w2 = 0`` so
