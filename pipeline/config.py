@@ -123,6 +123,11 @@ class FeatureMode(str, Enum):
     hybrid = "hybrid"  # epoch 0 streams while the actors commit the cache shards; later epochs read them
 
 
+class DrafterArchitecture(str, Enum):
+    dflash = "dflash"  # the DFlash block-parallel backbone (DSpark with a sequential head): training.drafter
+    eagle3 = "eagle3"  # one decoder layer drafting autoregressively over 3 captured layers: training.eagle3
+
+
 class SequentialHead(str, Enum):
     none = "none"  # DFlash: block-parallel only
     markov = "markov"
@@ -229,8 +234,10 @@ def confidence_sampling(spec: "DrafterSpec", cfg: "RunConfig") -> tuple[float, f
 
 @dataclass
 class DrafterSpec:
-    """One drafter to train (docs/design.md section 2). ``head=none`` with ``markov_rank=0`` is DFlash."""
+    """One drafter to train (docs/design.md section 2). ``head=none`` with ``markov_rank=0`` is DFlash;
+    ``architecture: eagle3`` is EAGLE-3 (num_layers 1, head none, markov_rank 0, confidence_head false)."""
 
+    architecture: DrafterArchitecture = DrafterArchitecture.dflash
     num_layers: int = 5
     block_size: int = 7
     sample_from_anchor: bool = True
@@ -473,6 +480,19 @@ def validate(cfg: RunConfig) -> RunConfig:
         _check(has_rank == (spec.head != SequentialHead.none), f"{key}.markov_rank",
                f"must be > 0 exactly when head != none (head={spec.head.value}, "
                f"markov_rank={spec.markov_rank}); markov_rank=0 means DFlash")
+        if spec.architecture == DrafterArchitecture.eagle3:
+            fields = (("num_layers", spec.num_layers, spec.num_layers == 1),
+                      ("sample_from_anchor", spec.sample_from_anchor, spec.sample_from_anchor),
+                      ("markov_rank", spec.markov_rank, spec.markov_rank == 0),
+                      ("confidence_head", spec.confidence_head, not spec.confidence_head),
+                      ("init", spec.init.value, spec.init != DrafterInit.target))
+            wrong = {k: v for k, v, ok in fields if not ok}
+            _check(not wrong, f"{key}.architecture",
+                   f"eagle3 is one decoder layer without heads: set num_layers: 1, sample_from_anchor: true, head: none, "
+                   f"markov_rank: 0, confidence_head: false and init random or pretrained (got {wrong})")
+            _check(len(cfg.target.target_layer_ids) >= 3, f"{key}.architecture",
+                   "eagle3 fuses a low, middle and high captured layer: target.target_layer_ids needs >= 3 ids "
+                   f"(got {list(cfg.target.target_layer_ids)})")
         t_conf = spec.confidence_temperature
         _check(t_conf is None or 0 <= t_conf < float("inf"), f"{key}.confidence_temperature",
                f"must be a finite sampling temperature >= 0 (0 = greedy), or null for the generate stage's "

@@ -13,7 +13,7 @@ __all__ = ["drafter_config", "build_drafter", "pretrained_init_url", "prepare_pr
            "head_digest", "calibrated_head_url", "save_calibrated_head", "apply_calibrated_head"]
 
 # fields a published drafter must share with the configured one (its layout and the cache's features)
-PRETRAINED_FIELDS = ("target_layer_ids", "mask_token_id", "num_layers", "block_size", "sample_from_anchor",
+PRETRAINED_FIELDS = ("architecture", "target_layer_ids", "mask_token_id", "num_layers", "block_size", "sample_from_anchor",
                      "markov_rank")
 
 
@@ -23,6 +23,7 @@ def drafter_config(spec: DrafterSpec, cfg: RunConfig):
 
     return DrafterConfig(
         target_layer_ids=cfg.target.target_layer_ids, mask_token_id=spec.mask_token_id,
+        architecture=spec.architecture.value,
         num_layers=spec.num_layers, block_size=spec.block_size, sample_from_anchor=spec.sample_from_anchor,
         markov_rank=spec.markov_rank,
         head_type="markov" if spec.head == SequentialHead.none else spec.head.value,

@@ -176,3 +176,43 @@ def test_paired_block_evaluation_beside_dspark(tiny_qwen3, samples3):
         assert 1.0 <= e["tau"] <= 5.0 and e["tau"] == s["drafters"]["twin"][T]["tau"]
         assert s["pairs"][("eagle3", "twin")][T]["ratio"] == 1.0 and s["pairs"][("eagle3", "twin")][T]["se"] == 0.0
         assert math.isfinite(s["pairs"][("eagle3", "dspark")][T]["se"])
+
+
+def test_decoding_loop_drafts_as_the_training_forward_and_stays_lossless(tiny_qwen3, samples3):
+    """draft_block on a context built in two chunks drafts what the KV-cached reference gives for the tokens it
+    drew (T = 0 and T = 1), commits the context rows once; greedy speculative decoding with it equals the
+    target's greedy decoding."""
+    from pipeline.inference.speculate import plain_decode, speculative_decode
+    from pipeline.target_model.prefill import LayerTap
+
+    d = _eagle3(tiny_qwen3).eval()
+    feats, ids, a = samples3[0]["features"], samples3[0]["input_ids"].long(), 20
+    for T in (0.0, 1.0):
+        ctx = d.encode_context(feats[:7].float(), tokens=ids[1:7])
+        ctx = d.encode_context(feats[7:a].float(), ctx, tokens=ids[7:a])
+        assert ctx.length == a and ctx.keys is None and ctx.pending.shape[0] == a
+        r = d.draft_block(ctx, int(ids[a]), T, torch.Generator().manual_seed(0))
+        assert ctx.keys.shape[2] == a and ctx.pending.shape[0] == 0 and r.tokens.shape == (4,)
+        drawn = torch.cat([ids[:a + 1], r.tokens])
+        with torch.no_grad():
+            want = torch.softmax(_autoregressive(d, feats, drawn, a, 4) @ d.lm_head.weight.t(), -1)
+        if T == 0:
+            assert r.tokens.tolist() == want.argmax(-1).tolist()
+        else:
+            assert torch.allclose(r.q, want, atol=1e-5)
+        with pytest.raises(ValueError, match="waiting rows"):
+            d.draft_block(ctx, 3)
+    # a round that accepted 3 drafts: the context continues exactly as one built from scratch at the new anchor
+    ctx = d.encode_context(feats[:a].float(), tokens=ids[1:a])
+    d.draft_block(ctx, int(ids[a]))
+    d.encode_context(feats[a:a + 4].float(), ctx, tokens=ids[a + 1:a + 4])
+    fresh = d.encode_context(feats[:a + 4].float(), tokens=ids[1:a + 4])
+    r1, r2 = d.draft_block(ctx, int(ids[a + 4]), 1.0, torch.Generator().manual_seed(1)), \
+        d.draft_block(fresh, int(ids[a + 4]), 1.0, torch.Generator().manual_seed(1))
+    assert torch.allclose(r1.q, r2.q, atol=1e-5) and torch.allclose(ctx.keys, fresh.keys, atol=1e-5)
+    prompt = ids[:12].tolist()
+    tap = LayerTap(tiny_qwen3, LAYER_IDS)
+    kw = dict(max_new_tokens=24, temperature=0.0, stop_ids=set())
+    ref = plain_decode(tiny_qwen3, prompt, generator=torch.Generator().manual_seed(0), **kw)
+    out = speculative_decode(tiny_qwen3, d, prompt, tap=tap, generator=torch.Generator().manual_seed(0), **kw)
+    assert out.tokens == ref.tokens and len(out.rounds) >= 1

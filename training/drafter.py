@@ -611,12 +611,15 @@ class Drafter(nn.Module):
 
     # -- inference ------------------------------------------------------------------------------
     @torch.no_grad()
-    def encode_context(self, features: torch.Tensor, context: DraftContext | None = None) -> DraftContext:
+    def encode_context(self, features: torch.Tensor, context: DraftContext | None = None,
+                       tokens: Sequence[int] | torch.Tensor = ()) -> DraftContext:
         """Append target features of the next positions to an inference context (or start one).
 
         Args:
             features: [n, n_ids*H] target features of positions ``L .. L+n-1`` (L = current length).
             context: the context so far, or None to start at position 0.
+            tokens: not read (the next tokens an EAGLE-3 context needs,
+                :meth:`training.eagle3.Eagle3Drafter.encode_context`; the decoding loop passes them to any drafter).
         Returns:
             a new :class:`DraftContext` of length L + n.
         """

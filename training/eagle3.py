@@ -29,8 +29,15 @@ terms and position decay as DFlash and DSpark: the three drafters are trained by
 cache, as the DSpark paper's Table 1 compares them); the decay ``exp(-(k-1)/lambda)`` at lambda = 4.48
 is EAGLE-3's ``0.8^(k-1)``. ``lm_head`` is the target's (its rows of a reduced draft vocabulary),
 frozen, as for the other drafters.
+
+Inference (:meth:`Eagle3Drafter.encode_context`, :meth:`Eagle3Drafter.draft_block`): the decoding loop's
+interface of :class:`training.drafter.Drafter`, with the next tokens the context entries need; a KV cache of
+the entered rows, one drafting step per token (equal to the training forward: ``tests/test_eagle3.py``).
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +46,11 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from training.blocks import Blocks, DraftBatch
-from training.drafter import Drafter, DrafterConfig, _rope, check_target_fit, draft_layer_config
+from training.drafter import Drafter, DrafterConfig, DraftResult, _rope, check_target_fit, draft_layer_config
+from training.heads import sample_sequential
 from training.losses import SupervisedSlots
 
-__all__ = ["Eagle3Layer", "Eagle3Drafter", "tree_attention"]
+__all__ = ["Eagle3Layer", "Eagle3Drafter", "Eagle3Context", "tree_attention"]
 
 
 class Eagle3Layer(nn.Module):
@@ -209,11 +217,113 @@ class Eagle3Drafter(Drafter):
         raise ValueError("init: target copies a target layer into a DFlash backbone; an eagle3 drafter starts "
                          "from init: random or pretrained")
 
-    def encode_context(self, features, context=None):
-        """Refused: the decoding loop (:mod:`pipeline.inference.speculate`) serves DFlash-backbone drafters;
-        an eagle3 drafter is judged by the block-level evaluation and served by vLLM from its export.
-        Raises NotImplementedError."""
-        raise NotImplementedError("the decoding loop serves DFlash-backbone drafters; an eagle3 drafter is judged "
-                                  "by the block-level evaluation (evaluate's blocks table) and served by vLLM")
+    # -- inference (the decoding loop, pipeline.inference.speculate) ------------------------------
+    @torch.no_grad()
+    def encode_context(self, features: torch.Tensor, context: "Eagle3Context | None" = None,
+                       tokens: Sequence[int] | torch.Tensor = ()) -> "Eagle3Context":
+        """Append target features of the next positions to an inference context (or start one).
 
-    draft_block = encode_context
+        A context entry needs the token after its position (module docstring), which the target has not
+        produced yet for the last position: the rows wait in the context until :meth:`draft_block` gets the
+        anchor, and enter the drafter's KV cache there.
+
+        Args:
+            features: [n, n_ids*H] target features of positions ``L .. L+n-1`` (L = ``context.length``).
+            context: the context so far (its waiting rows are kept), or None to start at position 0.
+            tokens: the next tokens known so far of the waiting rows, in order (appended to the context's):
+                the prompt's ``ids[1:]`` at the start, the accepted drafts after a round.
+        Returns:
+            an :class:`Eagle3Context` of length L + n (``context`` itself, extended, when given).
+        Raises:
+            ValueError: more next tokens than waiting rows.
+        """
+        g = self._fuse(features.unsqueeze(0))[0]
+        ctx = context if context is not None else Eagle3Context(None, None, g[:0], [])
+        ctx.pending = torch.cat([ctx.pending, g])
+        ctx.tokens = ctx.tokens + [int(t) for t in tokens]
+        if len(ctx.tokens) >= ctx.pending.shape[0]:
+            raise ValueError(f"{len(ctx.tokens)} next tokens for {ctx.pending.shape[0]} waiting rows: the last row's "
+                             "next token is the anchor, given to draft_block")
+        return ctx
+
+    @torch.no_grad()
+    def draft_block(self, context: "Eagle3Context", anchor_token: int | torch.Tensor, temperature: float = 0.0,
+                    generator: torch.Generator | None = None) -> DraftResult:
+        """Draft ``gamma`` tokens autoregressively after ``context`` with the anchor at position ``context.length``.
+
+        The waiting rows enter the KV cache with their next tokens (the last one's is the anchor), causally;
+        the last row's output is step 1; each later step feeds its previous pre-norm output and the token it
+        drew (module docstring). Each ``x_k ~ q_k = softmax(logits_k / T)`` (top-k / top-p of a
+        :class:`training.spec_sampling.Sampling` applied), drawn as :func:`training.heads.sample_sequential`
+        draws a slot. The committed rows stay in ``context`` (their tokens are the data's); the drafted
+        steps do not.
+
+        Args:
+            context: from :meth:`encode_context`, with one more waiting row than next tokens.
+            anchor_token: the target id at position ``context.length``. temperature: T >= 0 or a Sampling.
+            generator: on the model's device.
+        Returns:
+            :class:`training.drafter.DraftResult`: tokens [gamma], q [gamma, V] (zero outside a reduced
+            draft vocabulary), no confidence, ``max_q`` [gamma].
+        Raises:
+            ValueError: a context without a waiting row, or with its next tokens missing.
+        """
+        ctx, layer, gamma = context, self.layers[0], self.config.block_size
+        m = ctx.pending.shape[0]
+        if m == 0 or len(ctx.tokens) != m - 1:
+            raise ValueError(f"the context has {m} waiting rows and {len(ctx.tokens)} next tokens; draft_block needs "
+                             "one more row than tokens (encode_context the target's features of the last round first)")
+        dev = self.fc.weight.device
+        n0 = 0 if ctx.keys is None else ctx.keys.shape[2]
+        toks = torch.tensor([*ctx.tokens, int(anchor_token)], device=dev)
+        hid = ctx.pending.unsqueeze(0)
+        cos, sin = self.rotary_emb(hid, torch.arange(n0, n0 + m, device=dev).unsqueeze(0))
+        q, k, v = layer.project(self._embed(toks).unsqueeze(0), hid, cos, sin)
+        K = k if ctx.keys is None else torch.cat([ctx.keys, k], 2)
+        V = v if ctx.values is None else torch.cat([ctx.values, v], 2)
+        causal = torch.arange(n0 + m, device=dev) <= torch.arange(n0, n0 + m, device=dev).unsqueeze(-1)
+        o = F.scaled_dot_product_attention(q, K, V, attn_mask=causal, scale=layer.scaling, enable_gqa=True)
+        hid = layer.finish(o, hid)[:, -1:]
+        ctx.keys, ctx.values, ctx.pending, ctx.tokens = K, V, ctx.pending[:0], []
+        pos, x, outs, qs, logits = n0 + m - 1, None, [], [], []
+        for step in range(gamma):
+            if step:
+                pos += 1
+                cos, sin = self.rotary_emb(hid, torch.tensor([[pos]], device=dev))
+                q, k, v = layer.project(self._embed(x.view(1, 1)), hid, cos, sin)
+                K, V = torch.cat([K, k], 2), torch.cat([V, v], 2)
+                hid = layer.finish(F.scaled_dot_product_attention(q, K, V, scale=layer.scaling, enable_gqa=True), hid)
+            h = self.norm(hid)
+            z = h.to(self.lm_head.weight.dtype) @ self.lm_head.weight.t()
+            tok, q_k, _ = sample_sequential(z, h, toks[-1:], None, temperature, generator, self.draft_to_target)
+            x = tok[0, 0]
+            outs.append(x)
+            qs.append(q_k[0, 0])
+            logits.append(z[0, 0].float())
+        q = torch.stack(qs)
+        max_q = q.amax(-1) if temperature > 0 else torch.softmax(torch.stack(logits), -1).amax(-1)
+        if self.draft_to_target is not None:
+            q = q.new_zeros(gamma, self.embed_tokens.num_embeddings).index_copy_(1, self.draft_to_target, q)
+        return DraftResult(torch.stack(outs), q, None, max_q.float(), None)
+
+
+@dataclass
+class Eagle3Context:
+    """An EAGLE-3 drafter's inference context (:meth:`Eagle3Drafter.encode_context`).
+
+    Attributes:
+        keys, values: [1, kv_heads, n, head_dim] the drafter's KV cache of the entered rows ``0 .. n-1``
+            (keys after RoPE), or None before the first draft.
+        pending: [m, H] fused features ``g`` of the rows ``n .. n+m-1`` waiting for their next token.
+        tokens: the next tokens known of the waiting rows (at most ``m - 1``: the last is the anchor).
+    """
+
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    pending: torch.Tensor
+    tokens: list[int]
+
+    @property
+    def length(self) -> int:
+        """Positions covered by target features (the next anchor sits at position ``length``)."""
+        return (0 if self.keys is None else self.keys.shape[2]) + self.pending.shape[0]

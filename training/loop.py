@@ -65,7 +65,7 @@ def build_drafter_from(config, target_dir: str, d2t: torch.Tensor | None = None,
     """
     from transformers import AutoConfig
 
-    from training.drafter import Drafter
+    from training.drafter import new_drafter
     from training.target_weights import load_layer_init, load_shared_weights
 
     embed, lm_head = load_shared_weights(target_dir)
@@ -73,7 +73,7 @@ def build_drafter_from(config, target_dir: str, d2t: torch.Tensor | None = None,
     embed = embed.to(dtype)
     lm_head = embed if tied else lm_head.to(dtype)
     tc = AutoConfig.from_pretrained(target_dir, local_files_only=True)
-    model = Drafter(config, tc, embed, lm_head, d2t)
+    model = new_drafter(config, tc, embed, lm_head, d2t)
     if config.init == "target":
         model.init_from_target(*load_layer_init(target_dir, model.init_layer))
     elif config.init == "pretrained":

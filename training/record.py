@@ -19,7 +19,7 @@ from training.drafter import DrafterConfig
 __all__ = ["RECORDED_FIELDS", "model_record", "config_from_record", "check_record", "check_thinking_mode",
            "format_value"]
 
-RECORDED_FIELDS = ("target_layer_ids", "mask_token_id", "num_layers", "block_size", "sample_from_anchor",
+RECORDED_FIELDS = ("architecture", "target_layer_ids", "mask_token_id", "num_layers", "block_size", "sample_from_anchor",
                    "markov_rank", "head_type", "confidence_head", "confidence_grad_to_backbone", "draft_vocab_size")
 """Fields that define the model (architecture, block layout, vocabulary); ``num_anchors`` and
 ``attention`` are how it is run, not what it is, and may differ between stages."""
@@ -39,6 +39,7 @@ def config_from_record(record: dict[str, Any], **runtime: Any) -> DrafterConfig:
     Raises:
         CheckpointError: the record lacks a recorded field (written by another version).
     """
+    record = {"architecture": "dflash", **record}  # records written before EAGLE-3 are all DFlash backbones
     missing = [f for f in RECORDED_FIELDS if f not in record]
     if missing:
         raise CheckpointError(f"the checkpoint's model record lacks {missing}: retrain with this version")

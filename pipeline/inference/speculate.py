@@ -156,7 +156,7 @@ def speculative_decode(model, drafter, prompt: Sequence[int], *, tap: LayerTap,
     target = Target(model, tap)
     logits, feats = target.forward(prompt, last_only=True)
     anchor = _sample(temperature_probs(logits[-1:], temperature)[0], generator)
-    ctx = drafter.encode_context(feats.to(drafter.fc.weight.dtype))
+    ctx = drafter.encode_context(feats.to(drafter.fc.weight.dtype), tokens=prompt[1:])
     out, rounds = [anchor], []
     while anchor not in stop_ids and len(out) < max_new_tokens:
         t0 = time.perf_counter()
@@ -172,7 +172,7 @@ def speculative_decode(model, drafter, prompt: Sequence[int], *, tap: LayerTap,
         emitted = emitted.tolist() if torch.is_tensor(emitted) else list(emitted)
         accepted = int(accepted)
         target.crop(base + 1 + accepted)  # anchor and accepted drafts stay in the cache
-        ctx = drafter.encode_context(feats[: 1 + accepted].to(drafter.fc.weight.dtype), ctx)
+        ctx = drafter.encode_context(feats[: 1 + accepted].to(drafter.fc.weight.dtype), ctx, tokens=d[:accepted])
         conf = None if draft.confidence_logits is None else draft.confidence_logits.float().tolist()
         max_q = None if draft.max_q is None else draft.max_q.float().tolist()
         head_in = draft.confidence_input.cpu() if keep_confidence_inputs and draft.confidence_input is not None else None
