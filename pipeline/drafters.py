@@ -16,6 +16,10 @@ __all__ = ["drafter_config", "build_drafter", "pretrained_init_url", "prepare_pr
 PRETRAINED_FIELDS = ("architecture", "target_layer_ids", "mask_token_id", "num_layers", "block_size", "sample_from_anchor",
                      "markov_rank")
 
+# an eagle3 drafter's layout is its fused layers (the first, middle and last captured one); its block size is the
+# steps drafted per round and its mask token is not read, so neither has to match
+EAGLE3_PRETRAINED_FIELDS = ("architecture", "eagle3_layer_ids", "num_layers")
+
 
 def drafter_config(spec: DrafterSpec, cfg: RunConfig):
     """The model's :class:`training.drafter.DrafterConfig` for one configured drafter."""
@@ -73,12 +77,14 @@ def prepare_pretrained(cfg: RunConfig, name: str, target_dir: str) -> dict:
     spec = cfg.train.drafters[name]
     theirs = load_export(spec.pretrained_path, target_dir)
     want = drafter_config(spec, cfg)
-    diffs = [(f, getattr(theirs.config, f), getattr(want, f)) for f in PRETRAINED_FIELDS
+    fields = EAGLE3_PRETRAINED_FIELDS if "eagle3" in (want.architecture, theirs.config.architecture) else PRETRAINED_FIELDS
+    diffs = [(f, getattr(theirs.config, f), getattr(want, f)) for f in fields
              if getattr(theirs.config, f) != getattr(want, f)]
     if theirs.config.confidence_head and not want.confidence_head:
         diffs.append(("confidence_head", True, False))
     if diffs:
-        key = {"target_layer_ids": "target.target_layer_ids"}
+        key = {"target_layer_ids": "target.target_layer_ids",
+               "eagle3_layer_ids": "target.target_layer_ids (first, middle and last)"}
         said = "; ".join(f"{f}: the export has {format_value(a)}, the config says {format_value(b)} (set "
                          f"{key.get(f, f'train.drafters.{name}.{f}')}={format_value(a)})" for f, a, b in diffs)
         raise ConfigError(f"train.drafters.{name}.pretrained_path: {spec.pretrained_path} is another drafter: {said}; "

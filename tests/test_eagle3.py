@@ -216,3 +216,54 @@ def test_decoding_loop_drafts_as_the_training_forward_and_stays_lossless(tiny_qw
     ref = plain_decode(tiny_qwen3, prompt, generator=torch.Generator().manual_seed(0), **kw)
     out = speculative_decode(tiny_qwen3, d, prompt, tap=tap, generator=torch.Generator().manual_seed(0), **kw)
     assert out.tokens == ref.tokens and len(out.rounds) >= 1
+
+
+def test_export_is_speculators_eagle3_and_round_trips_to_pretrained(tmp_path, tiny_target_dir, samples3):
+    """Whatever export.format, an eagle3 drafter exports in the speculators eagle3 format (the keys vLLM reads,
+    vLLM's tensor names and shapes); load_export and init: pretrained give back its weights and the same
+    block-level tau at step 0; an eagle3 export is refused as a DFlash drafter's starting point."""
+    import json
+
+    from pipeline.drafters import build_drafter, prepare_pretrained
+    from pipeline.errors import ConfigError
+    from pipeline.run import DEFAULT_CONFIG, load_config
+    from pipeline.stages.export_format import EAGLE3_ARCH, export_drafter, load_export
+    from training.drafter import FROZEN_STATE
+
+    def cfg(run, *extra):
+        return load_config(DEFAULT_CONFIG, [f"target.path={tiny_target_dir}", f"run_dir={tmp_path / run}",
+                                            "train.drafters.eagle3.block_size=4", *extra])
+
+    c = cfg("a")
+    torch.manual_seed(7)
+    model = build_drafter(c.train.drafters["eagle3"], c, tiny_target_dir)
+    assert isinstance(model, Eagle3Drafter) and model.config.eagle3_layer_ids == (0, 1, 2)
+    with torch.no_grad():
+        for p in model.trainable_parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    out = export_drafter(model, tiny_target_dir, str(tmp_path / "export"), fmt="native")
+    assert out["format"] == "speculators" and out["architecture"] == EAGLE3_ARCH and out["num_speculative_tokens"] == 4
+    conf = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert conf["speculators_model_type"] == "eagle3" and conf["norm_before_residual"] is False
+    assert conf["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and conf["draft_vocab_size"] == 512
+    assert conf["transformer_layer_config"]["model_type"] == "llama"
+    assert conf["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tmp_path / "export" / "model.safetensors")))
+    assert names == {k for k in model.state_dict() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    exported = load_export(str(tmp_path / "export"), tiny_target_dir)
+    c = cfg("b", "train.drafters.eagle3.init=pretrained", f"train.drafters.eagle3.pretrained_path={tmp_path / 'export'}")
+    prepare_pretrained(c, "eagle3", tiny_target_dir)
+    step0 = build_drafter(c.train.drafters["eagle3"], c, tiny_target_dir).eval()
+    theirs = exported.state_dict()
+    ours = {k: v for k, v in step0.state_dict().items() if k not in FROZEN_STATE}
+    assert all(torch.equal(v, theirs[k]) for k, v in ours.items()) and all(
+        torch.equal(v, model.state_dict()[k]) for k, v in ours.items())
+    tally = evaluate_blocks({"exported": exported, "step0": step0}, [samples3], temperatures=[0.0, 1.0], num_anchors=6)
+    for T in (0.0, 1.0):
+        a, b = tally.values("exported", T, "tau"), tally.values("step0", T, "tau")
+        assert a.numel() > 6 and torch.equal(a, b)
+    c = cfg("c", "train.drafters.dspark.init=pretrained", f"train.drafters.dspark.pretrained_path={tmp_path / 'export'}")
+    with pytest.raises(ConfigError, match="architecture: the export has eagle3, the config says dflash"):
+        prepare_pretrained(c, "dspark", tiny_target_dir)

@@ -16,7 +16,8 @@ def _cfg(tiny_target_dir, run_dir, *extra):
     return load_config(DEFAULT_CONFIG, [f"target.path={tiny_target_dir}", f"run_dir={run_dir}",
                                         "target.target_layer_ids=[0,2]", "train.drafters.dspark.markov_rank=16",
                                         "train.drafters.dspark.block_size=4", "train.drafters.dflash.block_size=4",
-                                        "train.drafters.dspark.init=random", "train.drafters.dflash.init=random", *extra])
+                                        "train.drafters.dspark.init=random", "train.drafters.dflash.init=random",
+                                        "~train.drafters.eagle3", *extra])
 
 
 def _published(cfg, name, tiny_target_dir, out, fmt):

@@ -56,7 +56,14 @@ temperatures stay a separate key, ``confidence_temperatures``, as the residual `
 runtimes that read it (``sigmoid(z_folded / (T_k / T)) = sigmoid(z / T_k)``). Reports from before
 the global temperature fall back to folding only when all ``T_k`` agree within
 ``export.fold_temperature_tolerance``.
-:func:`load_export` reads either format back into the product's :class:`training.drafter.Drafter`.
+EAGLE-3 (``architecture: eagle3``, :mod:`training.eagle3`) has one format whatever ``export.format``: the
+speculators ``eagle3`` one (:func:`eagle3_config`), which vLLM loads (``Eagle3LlamaForCausalLM``; serve it with
+``speculative_config={"model": <export>, "num_speculative_tokens": gamma}``, the method read from the config)
+and speculators too. Its tensors are vLLM's ``llama_eagle3`` names: ``fc`` [H, 3 H_target], ``norm``,
+``layers.0.{self_attn.{q,k,v}_proj [*, 2H], self_attn.o_proj, mlp.*, input_layernorm, hidden_norm,
+post_attention_layernorm}``; ``embed_tokens`` / ``lm_head`` shared with the target as for the other drafters.
+
+:func:`load_export` reads every format back into the product's drafter (:func:`training.drafter.new_drafter`).
 """
 from __future__ import annotations
 
@@ -69,13 +76,14 @@ import torch
 from pipeline.errors import PipelineError
 from storage import filesystem, join, read_json, write_json
 
-__all__ = ["ExportError", "FORMATS", "DSPARK_ARCH", "DFLASH_ARCH", "architecture", "native_config",
+__all__ = ["ExportError", "FORMATS", "DSPARK_ARCH", "DFLASH_ARCH", "EAGLE3_ARCH", "architecture", "eagle3_config", "native_config",
            "speculators_config", "export_config", "read_fields", "expected_tensors", "drafter_tensors",
            "check_tensors", "fold_confidence", "export_drafter", "load_export"]
 
 FORMATS = ("native", "speculators")
 DSPARK_ARCH = "Qwen3DSparkModel"
 DFLASH_ARCH = "DFlashDraftModel"
+EAGLE3_ARCH = "Eagle3LlamaForCausalLM"  # vLLM's class for a speculators eagle3 export with a Llama layer
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config schema the speculators format follows
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DROP_KEYS = ("quantization_config", "layer_types", "auto_map", "_name_or_path", "architectures",
@@ -89,7 +97,8 @@ class ExportError(PipelineError):
 
 
 def architecture(config) -> str:
-    """The vLLM architecture of a drafter: ``Qwen3DSparkModel`` with a Markov head, else ``DFlashDraftModel``.
+    """The vLLM architecture of a drafter: ``Qwen3DSparkModel`` with a Markov head, ``Eagle3LlamaForCausalLM``
+    for an eagle3 drafter, else ``DFlashDraftModel``.
 
     Args:
         config: a :class:`training.drafter.DrafterConfig`.
@@ -97,6 +106,8 @@ def architecture(config) -> str:
         ExportError: a gated/RNN head (vLLM has the vanilla Markov head only), or a head-less drafter
             with ``sample_from_anchor=true`` (vLLM's DFlash drafts ``[anchor, mask x gamma]`` only).
     """
+    if config.architecture == "eagle3":
+        return EAGLE3_ARCH
     if config.markov_rank > 0:
         if config.head_type != "markov":
             raise ExportError(f"vLLM's {DSPARK_ARCH} has only the vanilla Markov head, this drafter has "
@@ -209,6 +220,39 @@ def speculators_config(model, target_config: Mapping[str, Any], temperatures: Se
     return cfg
 
 
+_LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "hidden_act", "rms_norm_eps", "vocab_size", "max_position_embeddings", "rope_theta", "rope_scaling",
+               "rope_parameters", "initializer_range")
+
+
+def eagle3_config(model, target_config: Mapping[str, Any], verifier: str | None = None) -> dict[str, Any]:
+    """An eagle3 drafter's ``config.json``: the speculators 0.9 ``eagle3`` format (``Eagle3SpeculatorConfig``
+    fields), which vLLM loads as ``Eagle3LlamaForCausalLM`` and speculators as ``Eagle3Speculator``.
+
+    The decoder layer is described as a Llama layer (``transformer_layer_config.model_type = "llama"``: no
+    qk-norm, as :class:`training.eagle3.Eagle3Layer`) with the target's width, heads, RoPE and vocabulary;
+    ``norm_before_residual`` is false (the residual is the unnormed hidden input; vLLM's default when the key
+    is absent is true, so it is written); ``eagle_aux_hidden_state_layer_ids`` are the fused layers
+    (:attr:`training.drafter.DrafterConfig.eagle3_layer_ids`) + 1, vLLM's and speculators' count;
+    ``speculative_tokens`` is gamma (the steps drafted per round).
+    """
+    c = model.config
+    layer = {k: target_config[k] for k in _LLAMA_KEYS if k in target_config}
+    layer.update(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=1, attention_bias=False,
+                 mlp_bias=False, tie_word_embeddings=False, dtype=_dtype_name(target_config))
+    V = int(target_config["vocab_size"])
+    return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(c.block_size)}],
+                "verifier": {"name_or_path": verifier, "architectures": list(target_config.get("architectures") or [])}},
+            "transformer_layer_config": layer, "draft_vocab_size": int(c.draft_vocab_size or V),
+            "norm_before_residual": False, "target_hidden_size": int(target_config["hidden_size"]),
+            "eagle_aux_hidden_state_layer_ids": [int(i) + 1 for i in c.eagle3_layer_ids],
+            "dtype": _dtype_name(target_config)}
+
+
 def export_config(fmt: str, model, target_config: Mapping[str, Any], temperatures: Sequence[float] | None = None,
                   folded: float | None = None, verifier: str | None = None) -> dict[str, Any]:
     """``config.json`` of ``model`` in format ``fmt`` (one of :data:`FORMATS`).
@@ -216,6 +260,8 @@ def export_config(fmt: str, model, target_config: Mapping[str, Any], temperature
     Raises:
         ExportError: an unknown format (names the valid ones), or as :func:`native_config`.
     """
+    if fmt in FORMATS and model.config.architecture == "eagle3":
+        return eagle3_config(model, target_config, verifier)  # the one format vLLM and speculators read for it
     if fmt == "native":
         return native_config(model, target_config, temperatures, folded)
     if fmt == "speculators":
@@ -234,10 +280,22 @@ def read_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         ExportError: an architecture / speculators model type other than the exported ones.
     """
+    if config.get("speculators_model_type") == "eagle3":
+        layer = dict(config["transformer_layer_config"])
+        V = int(layer["vocab_size"])
+        Vd = int(config.get("draft_vocab_size") or V)
+        gamma = int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+        return {"format": "speculators", "architecture": EAGLE3_ARCH, "qwen3": layer,
+                "target_layer_ids": [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]],
+                "mask_token_id": 0, "slots": gamma, "block_size": gamma, "sample_from_anchor": True, "markov_rank": 0,
+                "confidence_head": False, "confidence_with_markov": False, "vocab_size": V,
+                "draft_vocab_size": None if Vd == V else Vd,
+                "target_hidden_size": int(config.get("target_hidden_size") or layer["hidden_size"]),
+                "dtype": config.get("dtype") or layer.get("dtype")}
     if "speculators_model_type" in config:
         algo = config["speculators_model_type"]
         if algo not in ("dflash", "dspark"):
-            raise ExportError(f"speculators_model_type {algo!r} is not dflash or dspark")
+            raise ExportError(f"speculators_model_type {algo!r} is not dflash, dspark or eagle3")
         qwen3 = dict(config["transformer_layer_config"])
         arch = DSPARK_ARCH if algo == "dspark" else DFLASH_ARCH
         ids = [i - 1 for i in config["aux_hidden_state_layer_ids"]]
@@ -284,7 +342,15 @@ def expected_tensors(config: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ..
     Vd = f["draft_vocab_size"] or V
     out = {"fc.weight": ((H, len(f["target_layer_ids"]) * f["target_hidden_size"]), dt),
            "hidden_norm.weight": ((H,), dt), "norm.weight": ((H,), dt)}
-    for i in range(q["num_hidden_layers"]):
+    if f["architecture"] == EAGLE3_ARCH:  # one layer, attention over [embeds ; hidden] (2H), no qk-norm
+        del out["hidden_norm.weight"]
+        shapes = {"self_attn.q_proj.weight": (n_h * hd, 2 * H), "self_attn.k_proj.weight": (n_kv * hd, 2 * H),
+                  "self_attn.v_proj.weight": (n_kv * hd, 2 * H), "self_attn.o_proj.weight": (H, n_h * hd),
+                  "mlp.gate_proj.weight": (inter, H), "mlp.up_proj.weight": (inter, H),
+                  "mlp.down_proj.weight": (H, inter), "input_layernorm.weight": (H,), "hidden_norm.weight": (H,),
+                  "post_attention_layernorm.weight": (H,)}
+        out.update({"layers.0." + k: (s, dt) for k, s in shapes.items()})
+    for i in range(q["num_hidden_layers"] if f["architecture"] != EAGLE3_ARCH else 0):
         p = f"layers.{i}."
         shapes = {"self_attn.q_proj.weight": (n_h * hd, H), "self_attn.k_proj.weight": (n_kv * hd, H),
                   "self_attn.v_proj.weight": (n_kv * hd, H), "self_attn.o_proj.weight": (H, n_h * hd),
@@ -481,7 +547,8 @@ def export_drafter(model, target_dir: str, out_url: str, *, temperatures: Sequen
     has_conf = "confidence_temperatures" in config
     mode = ("none" if not has_conf else "uncalibrated" if temperatures is None
             else "folded" if folded is not None else "config")
-    return {"format": fmt, "architecture": arch, "num_speculative_tokens": gamma, "block_size": config["block_size"],
+    fmt = "speculators" if arch == EAGLE3_ARCH else fmt
+    return {"format": fmt, "architecture": arch, "num_speculative_tokens": gamma, "block_size": config.get("block_size", gamma),
             "num_tensors": len(tensors), "bytes": size,
             "dropped": dropped, "confidence": mode, "folded_temperature": folded,
             "confidence_temperatures": config.get("confidence_temperatures"), "enable_thinking": enable_thinking}
@@ -508,7 +575,7 @@ def load_export(url: str, target_dir: str):
 
     from training.target_weights import load_shared_weights
     from training.draft_vocab import target_to_draft_ids
-    from training.drafter import Drafter, DrafterConfig
+    from training.drafter import DrafterConfig, new_drafter
 
     config = read_json(join(url, "config.json"))
     fs, path = filesystem(join(url, "model.safetensors"))
@@ -517,13 +584,14 @@ def load_export(url: str, target_dir: str):
     check_tensors(tensors, expected)
     f = read_fields(config)
     dc = DrafterConfig(target_layer_ids=f["target_layer_ids"], mask_token_id=f["mask_token_id"],
+                       architecture="eagle3" if f["architecture"] == EAGLE3_ARCH else "dflash",
                        num_layers=f["qwen3"]["num_hidden_layers"], block_size=f["block_size"],
                        sample_from_anchor=f["sample_from_anchor"], markov_rank=f["markov_rank"],
                        confidence_head=f["confidence_head"], draft_vocab_size=f["draft_vocab_size"])
     with open(f"{target_dir}/config.json") as fh:
         target_config = Qwen3Config(**json.load(fh))
     embed, lm_head = load_shared_weights(target_dir)
-    model = Drafter(dc, target_config, embed, lm_head, tensors.get("d2t"))
+    model = new_drafter(dc, target_config, embed, lm_head, tensors.get("d2t"))
     if "t2d" in tensors and not torch.equal(
             tensors["t2d"], target_to_draft_ids(model.draft_to_target, f["vocab_size"]) >= 0):
         raise ExportError(f"{url}: t2d is not the inverse of d2t; re-export the drafter")
