@@ -46,7 +46,7 @@ def main() -> None:
     out = Path(a.out)
     shutil.rmtree(out, ignore_errors=True)
     generated = Path(a.generated)
-    base = ["~train.drafters.dflash", "train.concurrent_drafters=1", f"train.epochs={a.epochs}", *a.overrides]
+    base = ["~train.drafters.dflash", "~train.drafters.eagle3", "train.concurrent_drafters=1", f"train.epochs={a.epochs}", *a.overrides]
 
     def cfg(mode: str):
         run_dir = out / mode

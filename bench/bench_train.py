@@ -18,7 +18,7 @@ def train_figures(run_dir: str, rows: int, steps: int) -> dict:
     from pipeline.stages.train import run_train
 
     cfg = tiny_config(run_dir, f"cache.max_rows={rows}", "cache.rows_per_shard=64", f"train.max_steps={steps}",
-                      "~train.drafters.dflash", f"train.checkpoint_every_steps={10 * steps}")
+                      "~train.drafters.dflash", "~train.drafters.eagle3", f"train.checkpoint_every_steps={10 * steps}")
     run_cache(cfg)
     run_train(cfg)
     fs, path = filesystem(f"{run_dir}/train/dspark/metrics.jsonl")

@@ -55,6 +55,11 @@ def task_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+RATIO_PAIRS = (("dspark", "dflash"), ("dspark", "eagle3"), ("dflash", "eagle3"))
+"""Decoding-loop ratios reported where a run has both drafters of the names (the demo's; the DSpark paper's Table 1)."""
+DISPLAY = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "EAGLE-3"}
+
+
 def tau_table(results: dict[str, Any], scheduler: dict[str, Any]) -> str:
     """Markdown: tau per drafter and sampling setting (overall and per task), DSpark/DFlash ratio, and
     the scheduler against the best fixed block size per concurrency: ``scheduler`` is ``{setting key:
@@ -67,13 +72,11 @@ def tau_table(results: dict[str, Any], scheduler: dict[str, Any]) -> str:
             lines.append(f"| {key[2:]} | {name} | {o['tau']:.3f}{se} | {o['verified_per_round']:.2f} | "
                          f"{o['tokens_per_s']:.1f} | {o['speedup_vs_target']:.2f}x |")
         lines.append(f"| {key[2:]} | (target alone) | 1.000 | - | {res['target_tokens_per_s']:.1f} | 1.00x |")
-    ratios = []
-    for key, res in results.items():
-        d = res["drafters"]
-        if "dspark" in d and "dflash" in d:
-            ratios.append(f"{key}: {d['dspark']['overall']['tau'] / d['dflash']['overall']['tau']:.3f}")
-    if ratios:
-        lines += ["", "tau ratio DSpark / DFlash: " + ", ".join(ratios)]
+    for a, b in RATIO_PAIRS:
+        ratios = [f"{key}: {res['drafters'][a]['overall']['tau'] / res['drafters'][b]['overall']['tau']:.3f}"
+                  for key, res in results.items() if a in res["drafters"] and b in res["drafters"]]
+        if ratios:
+            lines += ["", f"tau ratio {DISPLAY[a]} / {DISPLAY[b]}: " + ", ".join(ratios)]
     lines += task_table(results)
     curves = {"cpu": "the measured SPS curve", "h200_model": "the H200 roofline model of Qwen3-4B"}
     for key, per_drafter in scheduler.items():

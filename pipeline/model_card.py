@@ -24,15 +24,18 @@ from typing import Any
 import yaml
 
 from pipeline.config import RunConfig, to_dict
-from pipeline.eval_report import macro_average, tau_cell
+from pipeline.eval_report import DISPLAY, macro_average, tau_cell
 from storage import filesystem, join, read_json
 from training.spec_sampling import Sampling
 
 CARD = "README.md"
 SUMMARY = "training_summary.json"
 SCHEMA_VERSION = 1
-METHODS = {"Qwen3DSparkModel": "dspark", "DFlashDraftModel": "dflash"}  # vLLM's speculative_config method
-DISPLAY = {"dspark": "DSpark", "dflash": "DFlash"}
+METHODS = {"Qwen3DSparkModel": "dspark", "DFlashDraftModel": "dflash",
+           "Eagle3LlamaForCausalLM": "eagle3"}  # vLLM's speculative_config method
+KINDS = {"dflash": "DFlash (block-parallel backbone)",
+         "eagle3": "EAGLE-3 (one decoder layer over fused low / middle / high target features, drafting "
+                   "autoregressively)"}
 RECIPE_KEYS = ("optimizer", "lr", "muon_lr", "epochs", "max_steps", "global_batch_samples", "micro_batch_samples",
                "num_anchors", "precision", "zero_stage", "num_workers", "loss_ce", "loss_tv", "loss_conf",
                "decay_lambda", "warmup_ratio", "weight_decay", "grad_clip", "seed")
@@ -157,7 +160,7 @@ def card_markdown(facts: dict[str, Any], model_ref: str = "<this directory or re
     t, spec = facts["target"], facts["spec"]
     kind = ("DSpark (DFlash block-parallel backbone + Markov head" + (" + confidence head)" if spec.get("confidence_head")
                                                                      else ")")
-            if facts["method"] == "dspark" else "DFlash (block-parallel backbone)")
+            if facts["method"] == "dspark" else KINDS.get(facts["method"], facts["method"]))
     params = "unknown" if facts["parameters"] is None else f"{facts['parameters']:,}"
     lines = ["---", yaml.safe_dump(meta, sort_keys=True).strip(), "---", "",
              f"# {DISPLAY.get(facts['method'], facts['method'])} drafter `{facts['drafter']}` for "
@@ -187,7 +190,7 @@ def card_markdown(facts: dict[str, Any], model_ref: str = "<this directory or re
     cal = facts["calibration"]
     lines += ["## Confidence calibration", ""]
     if not cal or cal["confidence"] in (None, "none"):
-        lines += ["No confidence head." if spec.get("confidence_head") is False or facts["method"] == "dflash"
+        lines += ["No confidence head." if spec.get("confidence_head") is False or facts["method"] != "dspark"
                   else "Not calibrated (run `+stage=calibrate`).", ""]
     else:
         refit = cal.get("refit") or {}

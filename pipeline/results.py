@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.config import RenderConfig
-from pipeline.eval_report import task_table, tau_cell
+from pipeline.eval_report import DISPLAY, RATIO_PAIRS, task_table, tau_cell
 from pipeline.chats.render import thinking_mode
 from storage import join, read_json
 
@@ -21,7 +21,7 @@ def _read(url: str) -> dict[str, Any] | None:
 
 
 def results_table(run_dir: str, stages: dict[str, dict[str, Any]]) -> str:
-    """Markdown: decoding-loop tau per drafter at each temperature with the DSpark/DFlash ratio, per task
+    """Markdown: decoding-loop tau per drafter at each temperature with the DSpark/DFlash (/EAGLE-3) ratios, per task
     with the macro average (when the prompts form several tasks), the paired block-level table, the held-out learning curves' end points, ECE before/after STS per
     position, cache bytes per token, and every stage's time."""
     lines = [f"# Results of {run_dir}", ""]
@@ -36,10 +36,11 @@ def results_table(run_dir: str, stages: dict[str, dict[str, Any]]) -> str:
         for n in names:
             cells = [tau_cell(ev["results"][t]["drafters"][n]["overall"]) for t in temps]
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
-        if {"dspark", "dflash"} <= set(names):
-            ratio = [ev["results"][t]["drafters"]["dspark"]["overall"]["tau"]
-                     / ev["results"][t]["drafters"]["dflash"]["overall"]["tau"] for t in temps]
-            lines.append("| DSpark / DFlash | " + " | ".join(f"{r:.3f}" for r in ratio) + " |")
+        for a, b in RATIO_PAIRS:
+            if {a, b} <= set(names):
+                ratio = [ev["results"][t]["drafters"][a]["overall"]["tau"]
+                         / ev["results"][t]["drafters"][b]["overall"]["tau"] for t in temps]
+                lines.append(f"| {DISPLAY[a]} / {DISPLAY[b]} | " + " | ".join(f"{r:.3f}" for r in ratio) + " |")
         lines += task_table(ev["results"])
         lines.append("")
     if ev and ev.get("blocks"):

@@ -23,15 +23,15 @@ from storage import filesystem, join, read_json
 pytestmark = pytest.mark.integration
 
 SPEC = BuildSpec(vocab_size=512, max_train_chats=96, max_heldout_chats=16, module_stride=6,
-                 target=TargetSpec(hidden_size=64, num_layers=3, num_heads=2, num_kv_heads=1, head_dim=32,
+                 target=TargetSpec(hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=32,
                                    intermediate_size=128, seq_len=128, batch_size=8, steps=300,
                                    warmup_steps=20, eval_tokens=8192))
 
 REDUCED = ["generate.max_rows=48", "generate.rows_per_shard=16", "generate.max_new_tokens=48",
            "generate.batch_size=16", "cache.rows_per_shard=8", "data.max_length=256",
-           "target.target_layer_ids=[0,1]", "train.epochs=3", "train.global_batch_samples=8",
+           "target.target_layer_ids=[0,1,2]", "train.epochs=3", "train.global_batch_samples=8",
            "train.micro_batch_samples=4", "train.checkpoint_every_steps=10",
-           "train.drafters.dflash.block_size=4", "train.drafters.dspark.block_size=4",
+           "train.drafters.dflash.block_size=4", "train.drafters.dspark.block_size=4", "train.drafters.eagle3.block_size=4",
            "train.drafters.dspark.markov_rank=16", "evaluate.num_prompts=4", "evaluate.max_new_tokens=24",
            "evaluate.concurrency=[1,8]", "evaluate.thresholds=[0.5]", "calibrate.refit_max_new_tokens=24",
            # 6 optimizer steps: Muon (the tiny recipe's, tuned for thousands of steps) leaves DFlash
@@ -66,7 +66,7 @@ def test_all_stages_on_s3(tmp_path, s3_url, capsys):
     assert s["cache"]["samples"] > 0 and s["cache"]["supervised_tokens"] > 0
     assert s["cache"]["bytes_per_token"] > 0
     fs, _ = filesystem(run_dir)
-    for name in ("dflash", "dspark"):
+    for name in ("dflash", "dspark", "eagle3"):
         assert s["train"]["drafters"][name]["steps"] == s["train"]["drafters"][name]["total_steps"] > 0
         rows = [json.loads(x) for x in fs.cat(join(run_dir, "train", name, "metrics.jsonl")).splitlines()]
         losses = [r["loss"] for r in rows]
@@ -75,7 +75,7 @@ def test_all_stages_on_s3(tmp_path, s3_url, capsys):
     # accept nothing at T=0); the block-level evaluation (hundreds of held-out blocks) shows it
     for T in ("T=0", "T=1"):
         drafters = s["evaluate"]["results"][T]["drafters"]
-        for name in ("dflash", "dspark"):
+        for name in ("dflash", "dspark", "eagle3"):
             overall = drafters[name]["overall"]
             assert overall["rounds"] > 0 and 1.0 <= overall["tau"] <= 5.0, (T, name, overall)
     blocks = s["evaluate"]["blocks"]["drafters"]
@@ -83,6 +83,8 @@ def test_all_stages_on_s3(tmp_path, s3_url, capsys):
         greedy, sampled = blocks[name]["0.0"], blocks[name]["1.0"]
         assert greedy["n"] == sampled["n"] > 100, (name, greedy["n"])
         assert greedy["tau"] > 1.0 + 3 * greedy["tau_se"] and sampled["tau"] > 1.0 + 3 * sampled["tau_se"]
+    assert blocks["eagle3"]["0.0"]["n"] == blocks["dspark"]["0.0"]["n"]  # EAGLE-3 on the same (paired) blocks
+    assert {"dspark/eagle3", "dflash/eagle3", "dspark/dflash"} <= set(s["evaluate"]["blocks"]["pairs"])
     for curve in ("cpu", "h200_model"):
         sched = s["evaluate"]["scheduler"]["T=0.7,p0.8,k20"]["dspark"][curve]["results"]
         assert [r["R"] for r in sched] == [1, 8]
@@ -98,7 +100,8 @@ def test_all_stages_on_s3(tmp_path, s3_url, capsys):
     assert 8 <= refit["prompts"] <= 16 and ("skipped" in refit or refit["slots"] > 0)
     assert fs.exists(join(run_dir, "calibrate", "dspark", "confidence_head.safetensors")) == refit["adopted"]
 
-    for name in ("dflash", "dspark"):
+    assert s["export"]["drafters"]["eagle3"]["format"] == "speculators"
+    for name in ("dflash", "dspark", "eagle3"):
         export = s["export"]["drafters"][name]["path"]
         config = read_json(join(export, "config.json"))
         with fs.open(join(export, "model.safetensors"), "rb") as f:
@@ -108,7 +111,7 @@ def test_all_stages_on_s3(tmp_path, s3_url, capsys):
     # per task: the two prompt sets, each in every table; the model card states the evaluate stage's figures
     assert s["evaluate"]["tasks"] == {"stdlib": 2, "gsm8k": 2}
     assert "| T | drafter | gsm8k | stdlib | macro |" in fs.cat(join(run_dir, "evaluate", "tau_table.md")).decode()
-    for name in ("dflash", "dspark"):
+    for name in ("dflash", "dspark", "eagle3"):
         export = s["export"]["drafters"][name]["path"]
         facts = read_json(join(export, "training_summary.json"))
         card = fs.cat(join(export, "README.md")).decode()

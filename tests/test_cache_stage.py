@@ -61,7 +61,7 @@ def test_cache_stage_counts_quarantine_and_resume(ray_local, tiny_target_dir, in
     assert time.time() - t0 < 10
     assert again["samples"] == 13
     # a different fingerprint (other layers) is refused, listing the field
-    other = _cfg(tiny_target_dir, tmp_path / "run", input_cases, "target.target_layer_ids=[0,2]")
+    other = _cfg(tiny_target_dir, tmp_path / "run", input_cases, "target.target_layer_ids=[0,2]", "~train.drafters.eagle3")
     with pytest.raises(FingerprintMismatchError, match="target_layer_ids"):
         run_cache(other)
     # other shard boundaries would silently skip or repeat rows: refused before any work

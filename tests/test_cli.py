@@ -114,7 +114,7 @@ def test_cli_multirun(local_target, tmp_path):
 def test_dry_run_refuses_layer_ids_the_target_lacks(local_target):
     """A 4-layer target has features at layers -1..2: [0, 3] is refused in a dry run, naming the key."""
     r = run_cli("+stage=train", str(DEFAULT_CONFIG), f"target.path={local_target}", "target.target_layer_ids=[0,3]",
-             "dry_run=true")
+             "~train.drafters.eagle3", "dry_run=true")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: config error: target.target_layer_ids: [0, 3] must lie in [-1, 2]"), r.stderr
 

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.cluster_faults]
 CACHE = ["generate.enabled=false", "data.min_loss_tokens=1", "cache.rows_per_shard=5", "cache.num_workers=2",
          "cache.gpus_per_worker=1", "cache.cpus_per_worker=1", "cache.shard_delay_s=1.0"]
 TRAIN = ["train.num_anchors=8", "train.drafters.dspark.markov_rank=8", "train.drafters.dspark.num_layers=1",
-         "~train.drafters.dflash", "train.num_workers=1", "train.concurrent_drafters=1", "train.heldout_shards=1",
+         "~train.drafters.dflash", "~train.drafters.eagle3", "train.num_workers=1", "train.concurrent_drafters=1", "train.heldout_shards=1",
          "train.validation_shards=0", "train.micro_batch_samples=4", "train.global_batch_samples=4",
          "train.zero_stage=0", "train.optimizer=adamw", "train.max_steps=8", "train.checkpoint_every_steps=2",
          "train.step_delay_s=1.0", "train.max_failures=2"]

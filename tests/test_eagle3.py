@@ -267,3 +267,16 @@ def test_export_is_speculators_eagle3_and_round_trips_to_pretrained(tmp_path, ti
     c = cfg("c", "train.drafters.dspark.init=pretrained", f"train.drafters.dspark.pretrained_path={tmp_path / 'export'}")
     with pytest.raises(ConfigError, match="architecture: the export has eagle3, the config says dflash"):
         prepare_pretrained(c, "dspark", tiny_target_dir)
+
+
+def test_run_config_names_what_an_eagle3_drafter_needs():
+    from pipeline.errors import ConfigError
+    from pipeline.run import DEFAULT_CONFIG, load_config
+
+    with pytest.raises(ConfigError, match=r"train.drafters.eagle3.architecture: eagle3 is one decoder layer.*"
+                                          r"\{'num_layers': 2, 'init': 'target'\}"):
+        load_config(DEFAULT_CONFIG, ["train.drafters.eagle3.num_layers=2", "train.drafters.eagle3.init=target"])
+    with pytest.raises(ConfigError, match=r"target.target_layer_ids needs >= 3 ids \(got \[0, 2\]\)"):
+        load_config(DEFAULT_CONFIG, ["target.target_layer_ids=[0,2]"])
+    cfg = load_config(DEFAULT_CONFIG, [])
+    assert cfg.train.drafters["eagle3"].architecture.value == "eagle3"

@@ -18,7 +18,7 @@ from training.stream import ConsumedLog, MemoryReader, StreamFeed, StreamOrderEr
 from chatgen import write_chats
 
 TRAIN = ["train.num_anchors=8", "train.drafters.dspark.markov_rank=8", "train.drafters.dspark.num_layers=1",
-         "~train.drafters.dflash", "train.num_workers=1", "train.concurrent_drafters=1", "train.heldout_shards=1",
+         "~train.drafters.dflash", "~train.drafters.eagle3", "train.num_workers=1", "train.concurrent_drafters=1", "train.heldout_shards=1",
          "train.validation_shards=1", "train.validate_every_steps=4", "train.micro_batch_samples=4",
          "train.global_batch_samples=4", "train.lr=3e-3", "train.epochs=2", "cache.num_workers=1",
          "train.checkpoint_every_steps=100", "ray.num_cpus=2"]
@@ -265,7 +265,7 @@ def test_estimate_prints_storage_and_prefill_passes_per_mode():
     from ops.estimate import feature_modes
 
     cfg = load_config(DEFAULT_CONFIG, ["train.epochs=6", "train.heldout_shards=1", "train.validation_shards=1",
-                                       "~train.drafters.dflash"])
+                                       "~train.drafters.dflash", "~train.drafters.eagle3"])
     counts = [{"shard": i, "samples": 10, "tokens": 1000 + i} for i in range(5)]  # 3 train, 1 val, 1 held out
     m = feature_modes(counts, cfg, nbytes=123_456, objects=77)
     assert m["cache"] == {"bytes": 123_456, "objects": 77, "prefill_tokens_before_training": 5010,

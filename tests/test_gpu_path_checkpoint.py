@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 OVERRIDES = ["train.precision=bf16", "train.zero_stage=2", "train.optimizer=adamw", "train.lr=6e-4",
              "train.warmup_ratio=0.5", "train.num_workers=1", "train.micro_batch_samples=2",
-             "train.global_batch_samples=2", "target.target_layer_ids=[0,2]", "~train.drafters.dflash",
+             "train.global_batch_samples=2", "target.target_layer_ids=[0,2]", "~train.drafters.dflash", "~train.drafters.eagle3",
              "train.drafters.dspark.num_layers=1", "train.drafters.dspark.markov_rank=8",
              "train.drafters.dspark.block_size=4", "train.num_anchors=6", "train.drafters.dspark.init=random"]
 

@@ -104,7 +104,7 @@ def _chats(path: Path, n: int) -> None:
 
 TINY = ["cache.rows_per_shard=4", "cache.num_workers=1", "data.min_loss_tokens=1", "generate.rows_per_shard=8",
         "generate.max_new_tokens=8", "generate.batch_size=8", "train.num_anchors=8", "train.drafters.dspark.markov_rank=8",
-        "train.drafters.dspark.num_layers=1", "~train.drafters.dflash", "train.num_workers=1",
+        "train.drafters.dspark.num_layers=1", "~train.drafters.dflash", "~train.drafters.eagle3", "train.num_workers=1",
         "train.concurrent_drafters=1", "train.heldout_shards=1", "train.validation_shards=0", "train.epochs=1",
         "train.micro_batch_samples=4", "train.global_batch_samples=4", "train.checkpoint_every_steps=2"]
 

@@ -21,7 +21,7 @@ from training.engine import clear_stale_build_locks, lr_lambda
 from chatgen import write_chats
 
 TRAIN = ["train.num_anchors=8", "train.drafters.dspark.markov_rank=8", "train.drafters.dspark.num_layers=1",
-         "~train.drafters.dflash", "train.num_workers=2", "train.concurrent_drafters=1", "train.heldout_shards=1",
+         "~train.drafters.dflash", "~train.drafters.eagle3", "train.num_workers=2", "train.concurrent_drafters=1", "train.heldout_shards=1",
          "train.validation_shards=0", "train.micro_batch_samples=4", "train.global_batch_samples=16", "train.lr=3e-3"]
 
 
@@ -160,7 +160,7 @@ def test_fingerprint_mismatch_refused_before_training(cached_run, tiny_target_di
     from pipeline.stages.train import run_train
 
     root, data = cached_run
-    cfg = _cfg(tiny_target_dir, root / "run", data, "target.target_layer_ids=[0,1]")
+    cfg = _cfg(tiny_target_dir, root / "run", data, "target.target_layer_ids=[0,1]", "~train.drafters.eagle3")
     t0 = time.time()
     with pytest.raises(FingerprintMismatchError, match="target_layer_ids"):
         run_train(cfg)

@@ -144,10 +144,13 @@ def _block_records(runs: list[Decoded], temperatures: list[float] | None) -> tup
 
 
 def block_pairs(drafters: dict[str, Any]) -> list[tuple[str, str]]:
-    """Ratios to report: every drafter with a sequential head over every one without (DFlash), and
-    every Markov-family drafter over every control (the ablation, DSpark / control)."""
-    kinds = {n: ("none" if m.markov_head is None else m.config.head_type) for n, m in drafters.items()}
-    pairs = [(a, b) for a in kinds for b in kinds if kinds[a] != "none" and kinds[b] == "none"]
+    """Ratios to report: every drafter with a sequential head over every one without (DFlash), every
+    DFlash-backbone drafter over every EAGLE-3 one (the DSpark paper's Table 1 rows), and every
+    Markov-family drafter over every control (the ablation, DSpark / control)."""
+    kinds = {n: ("eagle3" if m.config.architecture == "eagle3" else "none" if m.markov_head is None
+                 else m.config.head_type) for n, m in drafters.items()}
+    pairs = [(a, b) for a in kinds for b in kinds if kinds[a] not in ("none", "eagle3") and kinds[b] == "none"]
+    pairs += [(a, b) for a in kinds for b in kinds if kinds[a] != "eagle3" and kinds[b] == "eagle3"]
     return pairs + [(a, b) for a in kinds for b in kinds if kinds[a] not in ("none", "control")
                     and kinds[b] == "control"]
 

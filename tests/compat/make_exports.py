@@ -103,7 +103,7 @@ def main(vllm_out: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from make_exports import NEW_TOKENS as VLLM_TOKENS
-    from make_exports import build_spec, dflash_acceptance, run_config
+    from make_exports import build_spec, replay_acceptance, run_config
     from pipeline.embedded import ensure_embedded
     from pipeline.stages.export_format import FORMATS, export_drafter, load_export
     from pipeline.target_model.prefill import LayerTap
@@ -160,7 +160,7 @@ def main(vllm_out: Path, out: Path) -> None:
             refs[f"zlab.{name}.acceptance.{i}"] = torch.tensor(
                 zlab_replay(drafters[name], feats, seq, len(prompt), NEW_TOKENS))
     for name in ("dflash", "dflash-reduced"):   # vLLM's schedule (tests/vllm/make_exports.py), VLLM_TOKENS tokens
-        refs[f"vllm.{name}.acceptance"] = torch.tensor(dflash_acceptance(
+        refs[f"vllm.{name}.acceptance"] = torch.tensor(replay_acceptance(
             target, drafters[name], cfg.target.target_layer_ids, [ref[f"prompt.{i}"] for i in range(num_prompts)],
             [ref[f"greedy.{i}"] for i in range(num_prompts)]))
     out.mkdir(parents=True, exist_ok=True)

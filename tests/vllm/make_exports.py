@@ -1,4 +1,4 @@
-"""Build tiny DFlash and DSpark vLLM exports with the product's own stages, plus reference numbers.
+"""Build tiny DFlash, DSpark and EAGLE-3 vLLM exports with the product's own stages, plus reference numbers.
 
 Run in the main virtual environment (``make test-vllm`` does):
 
@@ -7,12 +7,12 @@ Run in the main virtual environment (``make test-vllm`` does):
 Steps, all offline on CPU: build a small *trained* embedded target (``pipeline.embedded``, head_dim 32
 because vLLM's CPU attention refuses 16) under ``OUT/embedded`` (reused when present); run the
 ``cache``, ``train``, ``calibrate`` and ``export`` stages on its stdlib chats for a DFlash drafter
-(``sample_from_anchor=false``, the layout vLLM's DFlash drafts) and a DSpark drafter (Markov head,
-confidence head); then write what ``check_export_vllm.py`` compares vLLM against:
+(``sample_from_anchor=false``, the layout vLLM's DFlash drafts), a DSpark drafter (Markov head,
+confidence head) and an EAGLE-3 drafter (``architecture: eagle3``, exported in the speculators eagle3 format); then write what ``check_export_vllm.py`` compares vLLM against:
 
 - ``OUT/manifest.json``: target and export paths, ``num_speculative_tokens``, stage summaries;
 - ``OUT/reference.safetensors``: prompts and the target's own greedy continuations (transformers,
-  EOS ignored), and the product's DSpark heads on fixed inputs (Markov bias ``W2 W1[x]`` and the
+  EOS ignored), the product's DFlash and EAGLE-3 drafters' greedy acceptance replayed on them, and the product's DSpark heads on fixed inputs (Markov bias ``W2 W1[x]`` and the
   confidence ``sigmoid`` as vLLM computes it from the exported, possibly folded, head).
 
 Prints the DSpark calibration report (ECE per position before / after STS, and as vLLM sees it).
@@ -43,11 +43,12 @@ NUM_PROMPTS = 4
 
 
 def build_spec():
-    """A small embedded build (180 k parameters, 500 steps of 16 x 128 tokens; about 2 min on 2 idle cores)."""
+    """A small embedded build (4 layers, 220 k parameters, 500 steps of 16 x 128 tokens; about 2 min on 2 idle
+    cores): 4 layers so that EAGLE-3 fuses three captured ones (0, 1, 2) below the last."""
     from pipeline.embedded import BuildSpec, TargetSpec
 
     return BuildSpec(vocab_size=512, max_train_chats=1200, max_heldout_chats=40, module_stride=2,
-                     target=TargetSpec(hidden_size=64, num_layers=3, num_heads=2, num_kv_heads=1, head_dim=32,
+                     target=TargetSpec(hidden_size=64, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=32,
                                        intermediate_size=192, seq_len=128, batch_size=16, steps=500, lr=3e-3,
                                        warmup_steps=25, eval_tokens=16384, bf16_autocast=False))
 
@@ -59,12 +60,15 @@ def run_config(out: Path, paths):
     return load_config(DEFAULT_CONFIG, [
         f"target.path={paths.target_dir}", f"run_dir={out / 'run'}", f"data.train_files=[{paths.train_chats}]",
         "generate.enabled=true", "generate.max_new_tokens=96", "generate.max_rows=1200", "generate.rows_per_shard=200",
-        "target.target_layer_ids=[0,1]", "data.max_length=384", "data.min_loss_tokens=8",
+        "target.target_layer_ids=[0,1,2]", "data.max_length=384", "data.min_loss_tokens=8",
         "cache.rows_per_shard=200", "cache.num_workers=1", "~train.drafters.dflash", "~train.drafters.dspark",
+        "~train.drafters.eagle3",
         f"++train.drafters.dflash={{{drafter}, sample_from_anchor: false, head: none, markov_rank: 0, "
         "confidence_head: false}",
         f"++train.drafters.dspark={{{drafter}, sample_from_anchor: true, head: markov, markov_rank: 32, "
         "confidence_head: true}",
+        f"++train.drafters.eagle3={{{drafter}, architecture: eagle3, sample_from_anchor: true, head: none, "
+        "markov_rank: 0, confidence_head: false}",
         "train.num_workers=1", "train.micro_batch_samples=8", "train.global_batch_samples=8", "train.epochs=4",
         "train.max_steps=600", "train.num_anchors=32", "train.checkpoint_every_steps=1000", "ray.num_cpus=2",
         "calibrate.bins=10"])
@@ -85,8 +89,8 @@ def greedy(model, prompt, n: int):
     return out
 
 
-def dflash_acceptance(target, drafter, layer_ids, prompts, continuations) -> list[int]:
-    """Accepted drafts per position when the product's own DFlash drafter runs greedy speculative
+def replay_acceptance(target, drafter, layer_ids, prompts, continuations) -> list[int]:
+    """Accepted drafts per position when the product's own drafter (DFlash or EAGLE-3) runs greedy speculative
     decoding the way vLLM schedules it: the first block is anchored at the first generated token
     with the prompt as context; after ``m`` accepted drafts the next anchor is the bonus token ``m + 1``
     positions on; blocks continue until ``NEW_TOKENS`` tokens are out (verified against the longer
@@ -107,7 +111,8 @@ def dflash_acceptance(target, drafter, layer_ids, prompts, continuations) -> lis
             tap.base(input_ids=seq[None])
         feats, pos, end = tap.features()[0], len(prompt), len(prompt) + NEW_TOKENS - 1
         while pos < end:
-            block = drafter.draft_block(drafter.encode_context(feats[:pos]), int(seq[pos]), 0.0).tokens
+            ctx = drafter.encode_context(feats[:pos], tokens=seq[1:pos])   # EAGLE-3 reads the next tokens
+            block = drafter.draft_block(ctx, int(seq[pos]), 0.0).tokens
             counts[0] += 1
             m = 0
             while m < len(block) and int(block[m]) == int(seq[pos + 1 + m]):
@@ -118,7 +123,7 @@ def dflash_acceptance(target, drafter, layer_ids, prompts, continuations) -> lis
 
 
 def references(cfg, paths, folded: float | None) -> dict:
-    """Prompts + greedy continuations, DFlash acceptance counts, and the DSpark heads on fixed inputs."""
+    """Prompts + greedy continuations, DFlash and EAGLE-3 acceptance counts, and the DSpark heads on fixed inputs."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -133,10 +138,11 @@ def references(cfg, paths, folded: float | None) -> dict:
                                          enable_thinking=False, return_dict=False)
         ref[f"prompt.{i}"] = torch.tensor(prompt)
         ref[f"greedy.{i}"] = torch.tensor(greedy(target, prompt, NEW_TOKENS + BLOCK + 1))
-    dflash = load_trained_drafter(cfg, "dflash", str(paths.target_dir))
-    ref["dflash.acceptance"] = torch.tensor(dflash_acceptance(
-        target, dflash, cfg.target.target_layer_ids, [ref[f"prompt.{i}"] for i in range(len(rows))],
-        [ref[f"greedy.{i}"] for i in range(len(rows))]))
+    for name in ("dflash", "eagle3"):
+        drafter = load_trained_drafter(cfg, name, str(paths.target_dir))
+        ref[f"{name}.acceptance"] = torch.tensor(replay_acceptance(
+            target, drafter, cfg.target.target_layer_ids, [ref[f"prompt.{i}"] for i in range(len(rows))],
+            [ref[f"greedy.{i}"] for i in range(len(rows))]))
     model = load_trained_drafter(cfg, "dspark", str(paths.target_dir), calibrated=True)  # the head export ships
     g = torch.Generator().manual_seed(0)
     V, H = model.embed_tokens.num_embeddings, model.fc.out_features
@@ -188,8 +194,8 @@ def main(out: Path) -> None:
         summaries[name] = fn(cfg)
         times[name] = time.perf_counter() - t
     exported = summaries["export"]["drafters"]
-    if set(exported) != {"dflash", "dspark"}:
-        sys.exit(f"FAIL: expected the dflash and dspark exports, got {sorted(exported)}: {summaries['export']}")
+    if set(exported) != {"dflash", "dspark", "eagle3"}:
+        sys.exit(f"FAIL: expected the dflash, dspark and eagle3 exports, got {sorted(exported)}: {summaries['export']}")
     ds = exported["dspark"]
     save_file(references(cfg, paths, ds["folded_temperature"]), str(out / "reference.safetensors"))
     manifest = {"target": str(paths.target_dir), "num_prompts": NUM_PROMPTS, "new_tokens": NEW_TOKENS,
