@@ -280,3 +280,16 @@ def test_run_config_names_what_an_eagle3_drafter_needs():
         load_config(DEFAULT_CONFIG, ["target.target_layer_ids=[0,2]"])
     cfg = load_config(DEFAULT_CONFIG, [])
     assert cfg.train.drafters["eagle3"].architecture.value == "eagle3"
+
+
+def test_block_pairs_put_eagle3_below_both_dflash_backbones(tiny_qwen3):
+    from pipeline.stages.evaluate import block_pairs
+    from training.drafter import Drafter
+
+    def dflash_backbone(**kw):
+        return Drafter(DrafterConfig(target_layer_ids=LAYER_IDS, mask_token_id=MASK, num_layers=1, **kw),
+                       tiny_qwen3.config, tiny_qwen3.model.embed_tokens.weight, tiny_qwen3.lm_head.weight)
+
+    drafters = {"dflash": dflash_backbone(markov_rank=0, sample_from_anchor=False), "dspark": dflash_backbone(markov_rank=8),
+                "eagle3": _eagle3(tiny_qwen3)}
+    assert block_pairs(drafters) == [("dspark", "dflash"), ("dflash", "eagle3"), ("dspark", "eagle3")]

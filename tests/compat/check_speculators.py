@@ -4,9 +4,9 @@ Run after ``tests/compat/make_exports.py`` wrote ``OUT`` (``make test-compat`` d
 
     .venv-speculators/bin/python tests/compat/check_speculators.py OUT
 
-For every ``speculators/<drafter>`` export (DFlash, DSpark, full and reduced vocabulary):
+For every ``speculators/<drafter>`` export (DFlash, DSpark, EAGLE-3, full and reduced vocabulary):
 ``SpeculatorModelConfig.from_pretrained`` parses ``config.json`` with speculators' own (pydantic)
-classes into ``DFlashSpeculatorConfig`` / ``DSparkSpeculatorConfig``; the model class built from it
+classes into ``DFlashSpeculatorConfig`` / ``DSparkSpeculatorConfig`` / ``Eagle3SpeculatorConfig``; the model class built from it
 accepts every exported tensor with no missing key (beyond those speculators fills from the verifier:
 ``embed_tokens``, ``verifier_*``, a full-vocabulary ``lm_head``) and no unexpected one;
 ``SpeculatorModel.from_pretrained`` then loads the export and holds the exported values, its
@@ -64,7 +64,8 @@ def main(out: Path) -> None:
                                         "ignores": "none" if ok else outcome})
             continue
         config = SpeculatorModelConfig.from_pretrained(path)
-        want = "DSparkSpeculatorConfig" if name.startswith("dspark") else "DFlashSpeculatorConfig"
+        want = {"dspark": "DSparkSpeculatorConfig", "eagle3": "Eagle3SpeculatorConfig"}.get(name.split("-")[0],
+                                                                                            "DFlashSpeculatorConfig")
         report(type(config).__name__ == want, f"{name}: speculators parses config.json as {type(config).__name__}")
         model_class = SpeculatorModel.registered_model_class_from_config(config)
         fresh = model_class(config)
@@ -82,12 +83,20 @@ def main(out: Path) -> None:
             heads = model.markov_head is not None and model.confidence_head is not None
             report(heads, f"{name}: the Markov and confidence heads are built")
         spec = config.speculators_config.proposal_methods[0].speculative_tokens
-        drafts = config.block_size if config.sample_from_anchor else config.block_size - 1
-        layout = spec == drafts == e["num_speculative_tokens"] and model.block_size == e["block_size"]
-        report(layout, f"{name}: block_size {model.block_size}, sample_from_anchor {config.sample_from_anchor}: "
-                       f"{drafts} drafts = speculative_tokens {spec} as trained")
+        if name.startswith("eagle3"):   # autoregressive: the drafted tokens are the proposal's speculative_tokens
+            layers = list(config.eagle_aux_hidden_state_layer_ids)
+            layout = spec == e["num_speculative_tokens"] and layers == [i + 1 for i in manifest["eagle3_layer_ids"]]
+            report(layout, f"{name}: speculative_tokens {spec}, aux hidden state layers {layers} as trained")
+        else:
+            drafts = config.block_size if config.sample_from_anchor else config.block_size - 1
+            layout = spec == drafts == e["num_speculative_tokens"] and model.block_size == e["block_size"]
+            report(layout, f"{name}: block_size {model.block_size}, sample_from_anchor {config.sample_from_anchor}: "
+                           f"{drafts} drafts = speculative_tokens {spec} as trained")
         vocab = True
-        if e["draft_vocab_size"]:
+        if e["draft_vocab_size"] and name.startswith("eagle3"):
+            vocab = int(model.t2d.sum()) == e["draft_vocab_size"] and torch.equal(model.d2t, tensors["d2t"])
+            report(vocab, f"{name}: reduced vocabulary {e['draft_vocab_size']}: t2d/d2t loaded as exported")
+        elif e["draft_vocab_size"]:
             head = model.verifier_lm_head.weight
             vocab = model.use_draft_vocab and int(model.t2d.sum()) == e["draft_vocab_size"] and torch.equal(
                 model.lm_head.weight, head)

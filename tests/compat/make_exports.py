@@ -7,8 +7,8 @@ does both; it reuses ``VLLM_OUT`` when present):
 
 Reads the trained DFlash and DSpark drafters of ``VLLM_OUT/run`` (the product's checkpoints) and writes,
 with :func:`pipeline.stages.export_format.export_drafter`, ``OUT/<format>/<drafter>`` for both formats and four
-drafters: ``dflash``, ``dspark`` and their reduced-vocabulary versions ``dflash-reduced`` /
-``dspark-reduced`` (the same trained drafter restricted to the ``REDUCED`` most frequent
+drafters: ``dflash``, ``dspark``, ``eagle3`` and their reduced-vocabulary versions ``dflash-reduced`` /
+``dspark-reduced`` / ``eagle3-reduced`` (an EAGLE-3 drafter exports the speculators eagle3 format whatever the format) (the same trained drafter restricted to the ``REDUCED`` most frequent
 tokens of the first 300 training chats: ``lm_head`` and the Markov ``W2`` rows of those tokens,
 ``d2t``/``t2d``).
 Each export is read back with :func:`pipeline.stages.export_format.load_export` and must draft exactly as the
@@ -51,10 +51,10 @@ def restrict_vocabulary(model, target_config, d2t):
     """The same drafter with the reduced output vocabulary ``d2t`` (:mod:`training.draft_vocab`):
     ``lm_head`` and the Markov ``W2`` keep the rows of the drafted target tokens, the rest is shared."""
     from training.draft_vocab import draft_to_target_ids
-    from training.drafter import Drafter
+    from training.drafter import new_drafter
 
     config = dataclasses.replace(model.config, draft_vocab_size=int(d2t.shape[0]))
-    reduced = Drafter(config, target_config, model.embed_tokens.weight, model.target_lm_head_weight, d2t)
+    reduced = new_drafter(config, target_config, model.embed_tokens.weight, model.target_lm_head_weight, d2t)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith(("lm_head.", "embed_tokens."))}
     if "markov_head.markov_w2.weight" in state:
         state["markov_head.markov_w2.weight"] = state["markov_head.markov_w2.weight"][draft_to_target_ids(d2t)]
@@ -119,7 +119,7 @@ def main(vllm_out: Path, out: Path) -> None:
     ids = [torch.tensor(tok.apply_chat_template(c["messages"], tokenize=True, return_dict=False)) for c in chats]
     d2t = build_d2t(count_supervised_tokens(((i, torch.ones_like(i)) for i in ids), target_config.vocab_size), REDUCED)
     drafters = {}
-    for name in ("dflash", "dspark"):
+    for name in ("dflash", "dspark", "eagle3"):
         drafters[name] = load_trained_drafter(cfg, name, target_dir)
         drafters[f"{name}-reduced"] = restrict_vocabulary(drafters[name], target_config, d2t)
 
@@ -130,13 +130,16 @@ def main(vllm_out: Path, out: Path) -> None:
     exports = []
     for fmt in FORMATS:
         for name, model in drafters.items():
+            if fmt == "native" and model.config.architecture == "eagle3":
+                continue   # an EAGLE-3 drafter has one format, the speculators one
             path = out / fmt / name
             info = export_drafter(model, target_dir, str(path), fmt=fmt)
             back = load_export(str(path), target_dir)
             for pos in (4, 17, 29):   # round trip: the same drafts, logits |diff| 0
-                a = model.draft_block(model.encode_context(check_features[:pos]), pos, 1.0,
+                toks = torch.arange(1, pos) % 97   # the next tokens an EAGLE-3 context reads (others ignore them)
+                a = model.draft_block(model.encode_context(check_features[:pos], tokens=toks), pos, 1.0,
                                       torch.Generator().manual_seed(pos))
-                b = back.draft_block(back.encode_context(check_features[:pos]), pos, 1.0,
+                b = back.draft_block(back.encode_context(check_features[:pos], tokens=toks), pos, 1.0,
                                      torch.Generator().manual_seed(pos))
                 if not (torch.equal(a.tokens, b.tokens) and torch.equal(a.q, b.q)):
                     sys.exit(f"FAIL: {fmt}/{name} read back drafts differently at anchor {pos}")
@@ -159,14 +162,15 @@ def main(vllm_out: Path, out: Path) -> None:
         for name in ("dflash", "dflash-reduced"):
             refs[f"zlab.{name}.acceptance.{i}"] = torch.tensor(
                 zlab_replay(drafters[name], feats, seq, len(prompt), NEW_TOKENS))
-    for name in ("dflash", "dflash-reduced"):   # vLLM's schedule (tests/vllm/make_exports.py), VLLM_TOKENS tokens
+    for name in ("dflash", "dflash-reduced", "eagle3", "eagle3-reduced"):   # vLLM's schedule (tests/vllm/make_exports.py), VLLM_TOKENS tokens
         refs[f"vllm.{name}.acceptance"] = torch.tensor(replay_acceptance(
             target, drafters[name], cfg.target.target_layer_ids, [ref[f"prompt.{i}"] for i in range(num_prompts)],
             [ref[f"greedy.{i}"] for i in range(num_prompts)]))
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in refs.items()}, str(out / "reference.safetensors"))
     manifest = {"target": target_dir, "num_prompts": num_prompts, "new_tokens": NEW_TOKENS, "vllm_tokens": VLLM_TOKENS,
-                "reduced_vocab_size": REDUCED, "exports": exports}
+                "reduced_vocab_size": REDUCED, "eagle3_layer_ids": list(drafters["eagle3"].config.eagle3_layer_ids),
+                "exports": exports}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     print(f"{len(exports)} exports and references written under {out}")
 
