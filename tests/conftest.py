@@ -225,20 +225,29 @@ def tok_chatml(tiny_tokenizer):
 
 
 @pytest.fixture(scope="session")
-def drafter_samples(tiny_qwen3):
-    """Two cache samples (T = 40, 30) of ``tiny_qwen3``, per the cache contract: bf16 features of layers
-    0 and 2, the final hidden state where the next token is supervised (from position 6 and 12)."""
+def cache_samples_of(tiny_qwen3):
+    """``make(layer_ids, seed)``: two cache samples (T = 40, 30) of ``tiny_qwen3`` per the cache contract: bf16
+    features of ``layer_ids``, the final hidden state where the next token is supervised (from position 6
+    and 12), random token ids drawn with ``seed``."""
     import torch
 
-    out = []
-    g = torch.Generator().manual_seed(0)
-    for T, sup_from in ((40, 6), (30, 12)):
-        ids = torch.randint(0, 500, (T,), generator=g)
-        with torch.no_grad():
-            hs = tiny_qwen3(ids[None], output_hidden_states=True).hidden_states
-        lm = torch.zeros(T, dtype=torch.uint8)
-        lm[sup_from:] = 1
-        out.append(dict(input_ids=ids.int(), loss_mask=lm,
-                        features=torch.cat([hs[i + 1][0] for i in (0, 2)], -1).bfloat16(),
-                        last_hidden=hs[-1][0][:-1][lm[1:].bool()].bfloat16(), sample_id=f"s-{T}"))
-    return out
+    def make(layer_ids, seed):
+        out = []
+        g = torch.Generator().manual_seed(seed)
+        for T, sup_from in ((40, 6), (30, 12)):
+            ids = torch.randint(0, 500, (T,), generator=g)
+            with torch.no_grad():
+                hs = tiny_qwen3(ids[None], output_hidden_states=True).hidden_states
+            lm = torch.zeros(T, dtype=torch.uint8)
+            lm[sup_from:] = 1
+            out.append(dict(input_ids=ids.int(), loss_mask=lm,
+                            features=torch.cat([hs[i + 1][0] for i in layer_ids], -1).bfloat16(),
+                            last_hidden=hs[-1][0][:-1][lm[1:].bool()].bfloat16(), sample_id=f"s-{T}"))
+        return out
+    return make
+
+
+@pytest.fixture(scope="session")
+def drafter_samples(cache_samples_of):
+    """Two cache samples of ``tiny_qwen3`` with the features of layers 0 and 2 (:func:`cache_samples_of`)."""
+    return cache_samples_of((0, 2), 0)

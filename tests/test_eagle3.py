@@ -18,19 +18,9 @@ MASK = 511
 
 
 @pytest.fixture(scope="module")
-def samples3(tiny_qwen3):
-    """Two cache samples of ``tiny_qwen3`` with the features of layers 0, 1 and 2 (the cache contract)."""
-    out, g = [], torch.Generator().manual_seed(3)
-    for T, sup_from in ((40, 6), (30, 12)):
-        ids = torch.randint(0, 500, (T,), generator=g)
-        with torch.no_grad():
-            hs = tiny_qwen3(ids[None], output_hidden_states=True).hidden_states
-        lm = torch.zeros(T, dtype=torch.uint8)
-        lm[sup_from:] = 1
-        out.append(dict(input_ids=ids.int(), loss_mask=lm,
-                        features=torch.cat([hs[i + 1][0] for i in LAYER_IDS], -1).bfloat16(),
-                        last_hidden=hs[-1][0][:-1][lm[1:].bool()].bfloat16(), sample_id=f"s-{T}"))
-    return out
+def samples3(cache_samples_of):
+    """Two cache samples of ``tiny_qwen3`` with the features of layers 0, 1 and 2."""
+    return cache_samples_of(LAYER_IDS, 3)
 
 
 def _eagle3(target, **kw):
