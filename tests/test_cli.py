@@ -35,7 +35,7 @@ def test_compose_loader_types_and_overrides():
     assert (cfg.train.num_anchors, cfg.train.decay_lambda, cfg.train.warmup_ratio) == (512, 4.0, 0.04)
     assert (cfg.data.max_length, cfg.data.min_loss_tokens) == (4096, 14)
     tiny = load_config(DEFAULT_CONFIG)
-    assert set(tiny.train.drafters) == {"dflash", "dspark"}
+    assert set(tiny.train.drafters) == {"dflash", "dspark", "eagle3"}
     assert tiny.train.drafters["dflash"].markov_rank == 0
 
 

@@ -142,3 +142,21 @@ def test_speculative_sampling_at_the_serving_setting_is_lossless():
         assert int(counts[~kept].sum()) == 0
         assert chi_square_pvalue(counts[kept], probs[kept]) > 1e-3
     assert 0.1 < float(n_acc.float().mean()) < 1.9                   # drafts are both accepted and rejected
+
+
+def test_truncation_mask_equals_a_full_sort_reference():
+    """The top-k fast path keeps exactly the tokens a full descending sort keeps (distinct logits), for top-k,
+    top-p and both, at the draft / target widths of the tests and the tiny target."""
+    g = torch.Generator().manual_seed(11)
+    for V in (40, 512, 3000):
+        logits = 2.0 * torch.randn(64, V, generator=g, dtype=torch.float64)
+        for s in (Sampling(0.7, 0.8, 20), Sampling(1.0, top_k=5), Sampling(0.5, top_p=0.9), Sampling(1.0, 0.3, 50)):
+            z = logits / s.temperature
+            srt, order = z.sort(dim=-1, descending=True)
+            keep = torch.arange(V) < (s.top_k if 0 < s.top_k < V else V)
+            probs = torch.softmax(srt.masked_fill(~keep, float("-inf")), -1)
+            keep = keep & ((probs.cumsum(-1) - probs) < s.top_p)
+            want = torch.zeros_like(keep.expand_as(z)).scatter(-1, order, keep.expand_as(z))
+            got = truncation_mask(z, s)
+            assert torch.equal(got, want), (V, s)
+            assert int(got.sum(-1).max()) <= (s.top_k or V) and bool(got.any(-1).all())
