@@ -61,7 +61,9 @@ speculators ``eagle3`` one (:func:`eagle3_config`), which vLLM loads (``Eagle3Ll
 ``speculative_config={"model": <export>, "num_speculative_tokens": gamma}``, the method read from the config)
 and speculators too. Its tensors are vLLM's ``llama_eagle3`` names: ``fc`` [H, 3 H_target], ``norm``,
 ``layers.0.{self_attn.{q,k,v}_proj [*, 2H], self_attn.o_proj, mlp.*, input_layernorm, hidden_norm,
-post_attention_layernorm}``; ``embed_tokens`` / ``lm_head`` shared with the target as for the other drafters.
+post_attention_layernorm}`` and ``lm_head`` [V_draft, H] even at the full vocabulary (speculators' ``Eagle3``
+leaves a missing one uninitialised; vLLM shares it with the target's when equal, so serving holds one copy);
+``embed_tokens`` shared with the target as for the other drafters.
 
 :func:`load_export` reads every format back into the product's drafter (:func:`training.drafter.new_drafter`).
 """
@@ -350,6 +352,7 @@ def expected_tensors(config: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ..
                   "mlp.down_proj.weight": (H, inter), "input_layernorm.weight": (H,), "hidden_norm.weight": (H,),
                   "post_attention_layernorm.weight": (H,)}
         out.update({"layers.0." + k: (s, dt) for k, s in shapes.items()})
+        out["lm_head.weight"] = ((Vd, H), dt)  # always: speculators' Eagle3 does not take a missing one from the verifier
     for i in range(q["num_hidden_layers"] if f["architecture"] != EAGLE3_ARCH else 0):
         p = f"layers.{i}."
         shapes = {"self_attn.q_proj.weight": (n_h * hd, H), "self_attn.k_proj.weight": (n_kv * hd, H),
