@@ -63,6 +63,27 @@ def test_card_states_the_runs_figures(tmp_path):
     assert '"method": "dspark"' in card and '"num_speculative_tokens": 7' in card and "vllm serve" in card
     assert "adopted on 16 prompts, 300 slots; held-out AUC trained 0.550 -> refit 0.700" in card
     assert "120 steps" in card and "step 120, expected tau 3.050" in card
+    assert "(hidden 64, vocabulary 512)" in card
+
+
+def test_card_of_an_eagle3_export_reads_the_nested_target_shape(tmp_path):
+    """A speculators-format config nests the layer config: the card still states the target's width and
+    vocabulary, the method vLLM reads and that there is no confidence head."""
+    run_dir = str(tmp_path / "run")
+    out = _records(run_dir)
+    summary = json.loads((tmp_path / "run/export/summary.json").read_text())
+    summary["drafters"]["dspark"].update(architecture="Eagle3LlamaForCausalLM", format="speculators")
+    write_json(f"{run_dir}/export/summary.json", summary)
+    write_json(f"{out}/config.json", {
+        "speculators_model_type": "eagle3", "target_hidden_size": 64, "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+        "transformer_layer_config": {"model_type": "llama", "hidden_size": 64, "vocab_size": 512},
+        "speculators_config": {"proposal_methods": [{"speculative_tokens": 7}]}})
+    (tmp_path / "run/calibrate/dspark/report.json").unlink()
+    cfg = load_config(DEFAULT_CONFIG, [f"run_dir={run_dir}"])
+    write_model_cards(cfg)
+    card = (tmp_path / "run/export/dspark/README.md").read_text()
+    assert "\n# EAGLE-3 drafter `dspark`" in card and "(hidden 64, vocabulary 512)" in card
+    assert '"method": "eagle3"' in card and "No confidence head." in card
 
 
 def test_card_before_evaluate_says_so_and_a_hub_target_is_the_base_model(tmp_path, local_target):
