@@ -179,7 +179,8 @@ def card_markdown(facts: dict[str, Any], model_ref: str = "<this directory or re
     lines = ["---", yaml.safe_dump(meta, sort_keys=True).strip(), "---", "",
              f"# {DISPLAY.get(facts['method'], facts['method'])} drafter `{facts['drafter']}` for "
              f"{t['hub_id'] or t['path']}", "",
-             f"- Drafter: {kind}, {spec['num_layers']} layer{'s' if spec['num_layers'] != 1 else ''}, {facts['num_speculative_tokens']} drafted tokens "
+             f"- Drafter: {kind}, {spec['num_layers']} layer{'s' if spec['num_layers'] != 1 else ''}, "
+             f"{facts['num_speculative_tokens']} drafted tokens "
              f"per block, {params} parameters in `model.safetensors` ({facts['format']} format)",
              f"- Target: `{t['path']}` (hidden {t['hidden_size']}, vocabulary {t['vocab_size']}), captured layers "
              f"{t['target_layer_ids']}, thinking mode {t['enable_thinking']}",
