@@ -334,8 +334,8 @@ def test_estimate_renders_the_input_cases_like_the_cache_stage(tiny_target_dir, 
     # all skipped (rows 4-11 of openai.jsonl) hold data objects only for offsets and sup_offsets
     assert p["objects"] == 2 + 6 + 6 * (2 + 8 * 2) + 2 * (2 + 8 + 2)
     r = p["requests"]  # the request bill: every object one PUT; reads per epoch, times epochs and drafters
-    assert r["put_cache"] == p["objects"] and (r["epochs"], r["drafters"]) == (5, 2)
-    assert r["get_per_run"] > 2 * 5 * r["get_per_epoch"] > 0
+    assert r["put_cache"] == p["objects"] and (r["epochs"], r["drafters"]) == (5, 3)
+    assert r["get_per_run"] > 3 * 5 * r["get_per_epoch"] > 0
     assert code == 1 and p["over_budget"] and p["cache"] == "/tmp/x/cache"
 
 

@@ -160,7 +160,7 @@ def test_fingerprint_mismatch_refused_before_training(cached_run, tiny_target_di
     from pipeline.stages.train import run_train
 
     root, data = cached_run
-    cfg = _cfg(tiny_target_dir, root / "run", data, "target.target_layer_ids=[0,1]", "~train.drafters.eagle3")
+    cfg = _cfg(tiny_target_dir, root / "run", data, "target.target_layer_ids=[0,1]")
     t0 = time.time()
     with pytest.raises(FingerprintMismatchError, match="target_layer_ids"):
         run_train(cfg)
