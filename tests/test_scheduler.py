@@ -169,6 +169,68 @@ def test_simulator_values_and_ratios():
         high["scheduler"]["tokens_per_s"] / 256)
 
 
+def _simulate_step_by_step(outcomes, conf, sps, concurrency, n_steps, seed, min_speedup, adaptive_at):
+    """The simulator's reference: every step planned on its own by schedule / schedule_production."""
+    from pipeline.inference.scheduler import _curve, adaptive_can_pay
+
+    gamma = outcomes.shape[1]
+    upto = np.concatenate([np.zeros((outcomes.shape[0], 1)), np.cumsum(outcomes, axis=1)], axis=1)
+    rng, results = np.random.default_rng(seed), []
+    for R in concurrency:
+        curve = _curve(sps, R)
+        idx = rng.integers(0, outcomes.shape[0], size=(n_steps, R))
+        fixed = {}
+        for g in range(1, gamma + 1):
+            tps = float((1 + upto[idx, g]).sum()) / (n_steps / float(curve(R * (1 + g))))
+            fixed[str(g)] = tps
+        best = max(fixed, key=fixed.get)
+        adaptive = (min_speedup is None or adaptive_can_pay(curve, R, gamma, min_speedup)) and (
+            adaptive_at is None or R in adaptive_at)
+        entry = {"R": R, "best_fixed_gamma": int(best), "adaptive": adaptive}
+        for name in ("scheduler", "production", "algorithm1"):
+            tok = sec = ver = 0.0
+            for t in range(n_steps):
+                rows = idx[t]
+                if name == "algorithm1" or (adaptive and name == "scheduler"):
+                    ln = schedule(conf[rows], curve).lengths
+                elif adaptive:
+                    ln = schedule_production(conf[rows], conf[idx[t - 2] if t >= 2 else rows], curve).lengths
+                else:
+                    ln = np.full(R, min(int(best), gamma))
+                tok += float((1 + upto[rows, ln]).sum())
+                sec += 1.0 / float(curve(R + ln.sum()))
+                ver += float(ln.sum())
+            entry[name] = (tok / sec, ver / (n_steps * R))
+        results.append(entry)
+    return results
+
+
+@pytest.mark.parametrize("case", ["ties", "continuous", "per_R_curves_no_fallback"])
+def test_simulator_equals_step_by_step_scheduling(case):
+    """The simulator plans all steps of an R at once; its throughput, verified drafts and fallback
+    decisions equal those of Algorithm 1 and its production variant called step by step, exactly
+    (ties in survival broken by j then r as schedule does: confidences on a grid of quarters)."""
+    rng = np.random.default_rng({"ties": 1, "continuous": 2, "per_R_curves_no_fallback": 3}[case])
+    outcomes = np.cumprod(rng.uniform(size=(500, 5)) < 0.8, axis=1).astype(np.int8)
+    conf = rng.uniform(0, 1, outcomes.shape)
+    conf = np.round(conf * 4) / 4 if case == "ties" else conf
+    sps = SPSCurve([1, 8, 64, 512], [100.0, 96.0, 60.0, 9.0])
+    kw = dict(concurrency=(1, 3, 16, 64), n_steps=23, seed=5, min_speedup=0.1, adaptive_at=None)
+    if case == "ties":
+        kw["adaptive_at"] = (16, 64)
+    if case == "per_R_curves_no_fallback":
+        sps = {R: SPSCurve([1, 4 * R, 8 * R], [50.0, 40.0, 10.0]) for R in kw["concurrency"]}
+        kw["min_speedup"] = None
+    got = simulate(outcomes, conf, sps, **kw)["results"]
+    want = _simulate_step_by_step(outcomes, conf, sps, **kw)
+    assert [r["adaptive"] for r in got] == [w["adaptive"] for w in want]
+    assert any(w["adaptive"] for w in want) and (case != "ties" or not all(w["adaptive"] for w in want))
+    for r, w in zip(got, want):
+        assert r["best_fixed_gamma"] == w["best_fixed_gamma"]
+        for name in ("scheduler", "production", "algorithm1"):
+            assert (r[name]["tokens_per_s"], r[name]["verified_per_request"]) == w[name], (r["R"], name)
+
+
 def test_simulator_rejects_non_prefix_closed_outcomes():
     with pytest.raises(ValueError, match="prefix-closed"):
         simulate(np.array([[0, 1]]), np.array([[0.5, 0.5]]), SPSCurve([1], [1.0]))

@@ -260,6 +260,33 @@ def schedule_production(conf_now: np.ndarray, conf_stale: np.ndarray, sps: SPSCu
     return fill_top_k(conf_now, budget, sps)
 
 
+def _schedule_steps(a: np.ndarray, sps: SPSCurve) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`schedule` for many steps at once: ``a`` float64 [S, R, gamma] survivals of S steps.
+
+    Returns ``(n_admit, position)``: int64 [S], the drafts Algorithm 1 admits at each step, and int64
+    [S, gamma * R], the rank of each (r, j) in that step's order (flattened as ``j * R + r``, so that a
+    stable sort of ``-a`` breaks ties by j, then r, as :func:`_ranking`). Identical to calling
+    :func:`schedule` step by step (the same sums in the same order; ``tests/test_scheduler.py``).
+    """
+    S, R, gamma = a.shape
+    flat = a.transpose(0, 2, 1).reshape(S, gamma * R)
+    order = np.argsort(-flat, axis=1, kind="stable")
+    m = np.arange(gamma * R + 1)
+    taken = np.concatenate([np.zeros((S, 1)), np.cumsum(np.take_along_axis(flat, order, axis=1), axis=1)], axis=1)
+    drops = np.diff((R + taken) * sps(R + m), axis=1) <= 0
+    n_admit = np.where(drops.any(axis=1), drops.argmax(axis=1), gamma * R)
+    position = np.empty_like(order)
+    np.put_along_axis(position, order, np.broadcast_to(m[:-1], order.shape), axis=1)
+    return n_admit, position
+
+
+def _prefix_lengths(position: np.ndarray, budget: np.ndarray, R: int) -> np.ndarray:
+    """Verified drafts per request, int64 [S, R], when each step admits its top ``budget[s]`` (r, j) by the
+    ranks ``position`` of :func:`_schedule_steps` (:func:`fill_top_k` step by step)."""
+    S = position.shape[0]
+    return (position < budget[:, None]).reshape(S, -1, R).sum(axis=1)
+
+
 def _summary(tokens: float, seconds: float, steps: int, R: int, verified: float) -> dict:
     """Throughput summary of one policy at concurrency R over ``steps`` steps."""
     tps = tokens / seconds
@@ -326,6 +353,7 @@ def simulate(outcomes: np.ndarray, conf: np.ndarray, sps: SPSCurve | Mapping[int
         raise ValueError(f"min_speedup must be >= 0 (or None: no fallback to the fixed block), got {min_speedup}")
     gamma = out.shape[1]
     accepted_upto = np.concatenate([np.zeros((out.shape[0], 1)), np.cumsum(out, axis=1)], axis=1)
+    a_all = survival(c)
     rng = np.random.default_rng(seed)
     results = []
     for R in (int(r) for r in concurrency):
@@ -338,23 +366,22 @@ def simulate(outcomes: np.ndarray, conf: np.ndarray, sps: SPSCurve | Mapping[int
         best = max(fixed, key=lambda g: fixed[g]["tokens_per_s"])
         adaptive = (min_speedup is None or adaptive_can_pay(curve, R, gamma, min_speedup)) and (
             adaptive_at is None or R in adaptive_at)
-        totals = {"scheduler": [0.0, 0.0, 0.0], "production": [0.0, 0.0, 0.0], "algorithm1": [0.0, 0.0, 0.0]}
-        for t in range(n_steps):
-            rows = idx[t]
-            plans = {"algorithm1": schedule(c[rows], curve)}
-            if adaptive:
-                plans["scheduler"] = plans["algorithm1"]
-                plans["production"] = schedule_production(c[rows], c[idx[t - 2] if t >= 2 else rows], curve)
-            else:
-                plans["scheduler"] = plans["production"] = _fixed(survival(c[rows]), int(best), curve)
-            for name, plan in plans.items():
-                acc = totals[name]
-                acc[0] += float((1 + accepted_upto[rows, plan.lengths]).sum())
-                acc[1] += 1.0 / float(curve(plan.batch_tokens))
-                acc[2] += float(plan.lengths.sum())
+        n_admit, position = _schedule_steps(a_all[idx], curve)
+        lengths = {"algorithm1": _prefix_lengths(position, n_admit, R)}
+        if adaptive:
+            lengths["scheduler"] = lengths["algorithm1"]
+            stale = np.concatenate([n_admit[:2], n_admit[:-2]])[:n_steps]  # the budget of two steps earlier
+            lengths["production"] = _prefix_lengths(position, stale, R)
+        else:
+            lengths["scheduler"] = lengths["production"] = np.full((n_steps, R), min(int(best), gamma))
         entry = {"R": R, "fixed": fixed, "best_fixed_gamma": int(best), "adaptive": adaptive}
-        for name, (tok, sec, ver) in totals.items():
-            entry[name] = _summary(tok, sec, n_steps, R, ver)
+        for name in ("scheduler", "production", "algorithm1"):
+            ln = lengths[name]
+            tokens = float((1 + np.take_along_axis(accepted_upto[idx], ln[..., None], axis=2)).sum())
+            seconds = 0.0
+            for step_seconds in (1.0 / curve(R + ln.sum(1))).tolist():  # summed in step order
+                seconds += step_seconds
+            entry[name] = _summary(tokens, seconds, n_steps, R, float(ln.sum()))
             entry[f"ratio_{name}"] = entry[name]["tokens_per_s"] / fixed[best]["tokens_per_s"]
         results.append(entry)
     return {"gamma": gamma, "n_steps": n_steps, "seed": seed, "min_speedup": min_speedup, "results": results}
