@@ -346,3 +346,8 @@ def test_fixed_block_fallback_where_the_curve_is_flat():
         simulate(outcomes, conf, steep, concurrency=(4,))
     with pytest.raises(ValueError, match="min_speedup"):
         simulate(outcomes, conf, flat, min_speedup=-0.1)
+
+
+def test_a_step_with_no_requests_admits_nothing():
+    plan = schedule(np.zeros((0, 3)), SPSCurve([1, 8], [10.0, 5.0]))
+    assert (plan.lengths.shape, plan.batch_tokens, plan.expected_tokens, plan.throughput) == ((0,), 0, 0.0, 0.0)

@@ -152,21 +152,14 @@ def survival(conf: np.ndarray) -> np.ndarray:
     return np.cumprod(c, axis=1)
 
 
-def _ranking(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(r, j) pairs sorted by survival descending, ties by j then r; returns (rows, cols) int64 [R*gamma]."""
+def _plan(a: np.ndarray, n_admit: int, sps: SPSCurve, position: np.ndarray | None = None) -> Schedule:
+    """Admit the top ``n_admit`` (r, j) by survival (ranks ``position`` of :func:`_schedule_steps`,
+    computed when not given) and evaluate B, tau, Theta."""
     R, gamma = a.shape
-    rows, cols = np.divmod(np.arange(R * gamma), gamma)
-    order = np.lexsort((rows, cols, -a.ravel()))
-    return rows[order], cols[order]
-
-
-def _plan(a: np.ndarray, n_admit: int, sps: SPSCurve) -> Schedule:
-    """Admit the top ``n_admit`` (r, j) by survival and evaluate B, tau, Theta."""
-    R, gamma = a.shape
-    rows, cols = _ranking(a)
-    admitted = np.zeros((R, gamma), dtype=bool)
-    admitted[rows[:n_admit], cols[:n_admit]] = True
-    lengths = admitted.sum(1).astype(np.int64)
+    if position is None:
+        position = _schedule_steps(a[None], sps)[1]
+    lengths = _prefix_lengths(position, np.array([n_admit]), R)[0]
+    admitted = np.arange(gamma) < lengths[:, None]
     B = int(R + n_admit)
     tau = float(R + a[admitted].sum())
     return Schedule(lengths, admitted, B, tau, float(tau * sps(B)) if R else 0.0)
@@ -216,13 +209,8 @@ def schedule(conf: np.ndarray, sps: SPSCurve) -> Schedule:
         ValueError: as :func:`survival`.
     """
     a = survival(conf)
-    R = a.shape[0]
-    rows, cols = _ranking(a)
-    m = np.arange(a.size + 1)
-    theta = (R + np.concatenate([[0.0], np.cumsum(a[rows, cols])])) * sps(R + m) if R else np.zeros(1)
-    drops = np.nonzero(np.diff(theta) <= 0)[0]
-    n_admit = int(drops[0]) if drops.size else a.size
-    return _plan(a, n_admit, sps)
+    n_admit, position = _schedule_steps(a[None], sps)
+    return _plan(a, int(n_admit[0]), sps, position)
 
 
 def fill_top_k(conf: np.ndarray, budget: int, sps: SPSCurve) -> Schedule:
@@ -265,7 +253,7 @@ def _schedule_steps(a: np.ndarray, sps: SPSCurve) -> tuple[np.ndarray, np.ndarra
 
     Returns ``(n_admit, position)``: int64 [S], the drafts Algorithm 1 admits at each step, and int64
     [S, gamma * R], the rank of each (r, j) in that step's order (flattened as ``j * R + r``, so that a
-    stable sort of ``-a`` breaks ties by j, then r, as :func:`_ranking`). Identical to calling
+    stable sort of ``-a`` breaks ties by j, then r: (r, j) ranks before (r, j + 1)). Identical to calling
     :func:`schedule` step by step (the same sums in the same order; ``tests/test_scheduler.py``).
     """
     S, R, gamma = a.shape
@@ -274,7 +262,8 @@ def _schedule_steps(a: np.ndarray, sps: SPSCurve) -> tuple[np.ndarray, np.ndarra
     m = np.arange(gamma * R + 1)
     taken = np.concatenate([np.zeros((S, 1)), np.cumsum(np.take_along_axis(flat, order, axis=1), axis=1)], axis=1)
     drops = np.diff((R + taken) * sps(R + m), axis=1) <= 0
-    n_admit = np.where(drops.any(axis=1), drops.argmax(axis=1), gamma * R)
+    first = drops.argmax(axis=1) if drops.shape[1] else np.zeros(S, dtype=np.int64)  # R = 0: nothing to admit
+    n_admit = np.where(drops.any(axis=1), first, gamma * R)
     position = np.empty_like(order)
     np.put_along_axis(position, order, np.broadcast_to(m[:-1], order.shape), axis=1)
     return n_admit, position
@@ -284,7 +273,7 @@ def _prefix_lengths(position: np.ndarray, budget: np.ndarray, R: int) -> np.ndar
     """Verified drafts per request, int64 [S, R], when each step admits its top ``budget[s]`` (r, j) by the
     ranks ``position`` of :func:`_schedule_steps` (:func:`fill_top_k` step by step)."""
     S = position.shape[0]
-    return (position < budget[:, None]).reshape(S, -1, R).sum(axis=1)
+    return (position < budget[:, None]).reshape(S, position.shape[1] // max(R, 1), R).sum(axis=1)
 
 
 def _summary(tokens: float, seconds: float, steps: int, R: int, verified: float) -> dict:
