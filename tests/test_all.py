@@ -94,6 +94,11 @@ def test_all_stages_on_s3(tmp_path, s3_url, capsys):
         (0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 0.8, 20)]
     assert all(len(x["estimators"]["max_q"]["auc"]) == 4 and set(x["scheduler"]) == {"cpu", "h200_model"}
                for x in confidence["settings"])
+    for x in confidence["settings"]:  # the oracle bound: no estimator's scheduler above it
+        for curve, bound in x["scheduler_oracle"].items():
+            assert set(bound) == set(x["scheduler"][curve]) and all(b >= 1 - 1e-9 for b in bound.values())
+            for by_curve in x["scheduler_by_estimator"].values():
+                assert all(by_curve[curve][R] <= b + 1e-9 for R, b in bound.items())
     ece = s["calibrate"]["drafters"]["dspark"]
     assert len(ece["temperatures"]) == 4 and all(t > 0 for t in ece["temperatures"])
     refit = ece["refit"]  # the held-out samples' prompts (at most 16) decoded by the drafter; its head adopted, or the reason

@@ -38,9 +38,14 @@ def test_fitted_estimators_beat_the_raw_head_out_of_sample(tmp_path):
     sim = cmp["simulation"]
     assert sim["blocks"] == held.num_blocks and set(sim["best_fixed"]) == {"1", "64"}
     assert all(sim[e]["64"]["tokens_per_s"] > 0 for e in ("raw", "STS", "max-q"))
+    # the oracle bound (the best plan knowing the outcomes) is above every estimator's policy, Algorithm 1 too
+    assert set(sim["oracle"]) == {"1", "64"} and sim["oracle"]["64"] > 1.05
+    assert all(sim[e][R][key] <= sim["oracle"][R] + 1e-12 for e in ("raw", "STS", "max-q", "export")
+               for R in ("1", "64") for key in ("ratio", "ratio_algorithm1", "ratio_production"))
     json.dumps(cmp, allow_nan=False)
     text = format_tables("dspark", "T=1", cmp) + recommendation({"T=1": cmp}, "dspark", "runs/x/export/dspark")
     assert "| 64 |" in text and '"num_speculative_tokens": ' in text
+    assert "oracle (bound) |" in text and f"| {sim['oracle']['64']:.3f} |" in text
     png = plot_reliability(str(tmp_path / "r.png"), {"raw": torch.sigmoid(held.z)}, held, "t")
     assert open(png, "rb").read()[:4] == b"\x89PNG"
 

@@ -216,3 +216,23 @@ def test_qwen3_4b_h200_curves_by_hand():
     # the scheduler's regime: flat at R = 1 (fixed-block fallback), 1.94x spread at R = 256 (adaptive)
     assert not adaptive_can_pay(curves[1], 1, 7) and adaptive_can_pay(curves[256], 256, 7)
     assert float(curves[256](256) / curves[256](2048)) == pytest.approx(1.94, abs=0.01)
+
+
+def test_scheduler_headroom_bench_sharper_estimators_gain_more_up_to_the_oracle():
+    """bench/bench_scheduler_headroom.py: on the H200 model, Algorithm 1 gains with the estimator's
+    separation, never past the oracle, and a near-perfect estimator comes close to it."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_scheduler_headroom", Path(__file__).resolve().parents[1] / "bench" / "bench_scheduler_headroom.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.headroom(bench.SERVING_RATES, [0.5, 2.0, 6.0], n_blocks=4_000, seed=1, concurrency=(16, 128))
+    aucs = [r["survival_auc"] for r in rows]
+    assert aucs[0] < aucs[1] < aucs[2] and 0.55 < aucs[0] < 0.7 and aucs[2] > 0.99
+    assert rows[0]["per_slot_auc"] == pytest.approx(0.6382, abs=1e-4)   # Phi(0.5 / sqrt 2)
+    gains = [r["ratio"][128] for r in rows]
+    assert gains[0] < gains[1] < gains[2] <= rows[0]["oracle"][128] + 1e-9
+    assert gains[2] > 0.97 * rows[0]["oracle"][128] and rows[0]["oracle"][128] > 1.2
+    assert all(r["ratio"][16] == pytest.approx(1.0) for r in rows)   # memory-bound: the whole block

@@ -231,6 +231,41 @@ def test_simulator_equals_step_by_step_scheduling(case):
             assert (r[name]["tokens_per_s"], r[name]["verified_per_request"]) == w[name], (r["R"], name)
 
 
+def test_oracle_bound_no_plan_beats_it():
+    """The oracle (the best plan knowing the outcomes) never verifies a rejected draft, never loses to a
+    policy of the simulator (any estimator, any fixed block), and on a curve where B * SPS(B) rises
+    verifies exactly the accepted drafts: the whole block's tokens at the fewest verified."""
+    from pipeline.inference.roofline import qwen3_4b_h200_curves
+    from pipeline.inference.scheduler import _oracle_lengths
+
+    rng = np.random.default_rng(7)
+    outcomes = np.cumprod(rng.uniform(size=(800, 6)) < 0.75, axis=1).astype(np.int8)
+    # B * SPS(B) falls inside (64, 256) of the interpolated curve: there the oracle verifies fewer
+    bumpy = SPSCurve([1, 16, 64, 256, 2048], [100.0, 100.0, 60.0, 20.0, 2.6])
+    rising = qwen3_4b_h200_curves((1, 8, 64, 200), block_size=6)   # the roofline model: B * SPS(B) rises
+    for curve in rising.values():
+        b = np.arange(1.0, 2000.0)
+        assert (np.diff(b * curve(b)) >= -1e-9 * b[1:] * curve(b[1:])).all()
+    for sps in (bumpy, rising):
+        for conf in (rng.uniform(0, 1, outcomes.shape), np.clip(outcomes + 0.0, 0.02, 0.98),
+                     np.full(outcomes.shape, 0.7)):
+            for r in simulate(outcomes, conf, sps, concurrency=(1, 8, 64, 200), n_steps=40, seed=3,
+                              min_speedup=None)["results"]:
+                o = r["oracle"]
+                assert o["verified_per_request"] == pytest.approx(o["tau"] - 1)  # no rejected draft verified
+                if sps is rising:
+                    assert o["tau"] == pytest.approx(r["fixed"]["6"]["tau"])    # the whole block's tokens
+                for name in ("scheduler", "production", "algorithm1", *[f"fixed {g}" for g in r["fixed"]]):
+                    got = r["fixed"][name[6:]] if name.startswith("fixed") else r[name]
+                    assert o["tokens_per_s"] >= got["tokens_per_s"] * (1 - 1e-12), (r["R"], name)
+                assert r["ratio_oracle"] >= 1 - 1e-12
+    assert r["ratio_oracle"] > 1.2   # R = 200 on the roofline model: measured 1.32
+    # hand case: R = 2, accepted 3 and 1; SPS falls so steeply past 4 tokens that verifying 2 drafts wins
+    steep = SPSCurve([1, 4, 6], [10.0, 10.0, 1.0])
+    assert _oracle_lengths(np.array([[3, 1]]), 2, steep).tolist() == [[2, 0]]   # 4 tokens x 10/s beats 6 x 1/s
+    assert _oracle_lengths(np.array([[3, 1]]), 2, SPSCurve([1, 6], [10.0, 9.0])).tolist() == [[3, 1]]
+
+
 def test_simulator_rejects_non_prefix_closed_outcomes():
     with pytest.raises(ValueError, match="prefix-closed"):
         simulate(np.array([[0, 1]]), np.array([[0.5, 0.5]]), SPSCurve([1], [1.0]))

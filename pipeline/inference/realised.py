@@ -229,6 +229,7 @@ def _simulation(set_name: str, full: Outcomes, est: dict[str, Any], sps, concurr
                            seed=seed, min_speedup=min_speedup, adaptive_at=allowed)["results"]
             sim.setdefault("fixed", {str(r["R"]): {g: v["tokens_per_s"] for g, v in r["fixed"].items()} for r in res})
             sim.setdefault("best_fixed", {str(r["R"]): r["best_fixed_gamma"] for r in res})
+            sim.setdefault("oracle", {str(r["R"]): r["ratio_oracle"] for r in res})
             flags = sim.setdefault("adaptive", {})
             for r in res:
                 flags[str(r["R"])] = flags.get(str(r["R"]), False) or r["adaptive"]
@@ -252,7 +253,8 @@ def compare(fit: Outcomes, reports: dict[str, Outcomes], sps, *, concurrency: Se
     Returns:
         ``{"fit_blocks", "estimators": {name: params}, "metrics": {set: {"blocks", name: [per position]}},
         "simulation": {"set", "blocks", "fixed": {R: {gamma: tokens/s}}, "best_fixed": {R: gamma},
-        "adaptive": {R: bool} (any estimator verified adaptively there), name: {R: {"tokens_per_s", "ratio",
+        "adaptive": {R: bool} (any estimator verified adaptively there), "oracle": {R: ratio} (the bound:
+        every request verifies exactly its accepted drafts, ``pipeline.inference.scheduler`` module doc), name: {R: {"tokens_per_s", "ratio",
         "adaptive" (this estimator's policy was adaptive, not the fixed block), "ratio_production", "ratio_algorithm1",
         "verified_per_request"}}}}`` (R as str), plus ``"simulation_h200_model"`` of the same form
         when ``model_curves`` is given.
@@ -316,13 +318,14 @@ def format_tables(name: str, key: str, cmp: dict[str, Any]) -> str:
                   f"realised full blocks of {sim['set']}, scheduler = DSpark Algorithm 1 with the fixed-block "
                   "fallback, production variant in brackets; * = fallback: the curve says other lengths cannot pay, or "
                   f"no estimator beat the best fixed block by {CALIBRATION_MIN_GAIN:.0%} on the calibration rounds; "
-                  "f = this estimator fell back to the fixed block)",
-                  "| R | best fixed gamma | fixed tokens/s | " + " | ".join(est) + " |",
-                  "|---:|---:|---:|" + "---:|" * len(est)]
+                  "f = this estimator fell back to the fixed block; oracle = every request verifies exactly its "
+                  "accepted drafts, what a perfect estimator would reach)",
+                  "| R | best fixed gamma | fixed tokens/s | " + " | ".join(est) + " | oracle (bound) |",
+                  "|---:|---:|---:|" + "---:|" * (len(est) + 1)]
         for R, g in sim["best_fixed"].items():
             star = "" if sim.get("adaptive", {}).get(R, True) else "*"
             lines.append(f"| {R}{star} | {g} | {sim['fixed'][R][str(g)]:.0f} | "
                          + " | ".join(f"{sim[e][R]['ratio']:.3f} ({sim[e][R]['ratio_production']:.3f})"
                                       f"{'' if sim[e][R].get('adaptive', True) or star else ' f'}" for e in est)
-                         + " |")
+                         + f" | {sim['oracle'][R]:.3f} |")
     return "\n".join(lines) + "\n"

@@ -19,6 +19,17 @@ candidates ranked above it, never on a later position of the same request (non-a
 keeps speculative sampling lossless). Production variant: the budget ``K`` (admitted drafts) comes
 from the confidences of two steps earlier; the current step admits the top-K by current survival.
 
+The oracle bound (:func:`_oracle_lengths`): knowing every outcome (after the fact, so no engine can run
+it), a step never verifies a rejected draft, and only the number m of accepted drafts it verifies
+matters: it emits ``R + m`` tokens in ``1 / SPS(R + m)`` seconds. Any plan that verifies ``l_r`` drafts
+emits ``R + m'`` tokens with ``m' = sum_r min(l_r, accepted_r)`` in at least that time (SPS does not rise
+with B), so the best choice of m per step, over all steps together (Dinkelbach's method for the ratio of
+sums: each step maximises ``(R + m) - rho / SPS(R + m)`` at the current ``rho``, then ``rho`` = tokens /
+seconds, until no step changes), is the highest tokens/s any verification policy reaches on the same
+blocks and curve: what a perfect confidence estimator would gain over the best fixed block, the
+ceiling against which an estimator's gain is judged. Where ``B SPS(B)`` does not fall (the roofline
+model), the oracle verifies exactly the accepted drafts.
+
 Fallback to the fixed block (:func:`adaptive_can_pay`): the serving engine runs a fixed block of
 ``g`` drafts (vLLM's ``num_speculative_tokens``, chosen by benchmark: the best fixed block). Whatever
 it verifies, a step of R requests with blocks of gamma drafts processes between R and R (1 + gamma)
@@ -276,6 +287,25 @@ def _prefix_lengths(position: np.ndarray, budget: np.ndarray, R: int) -> np.ndar
     return (position < budget[:, None]).reshape(S, position.shape[1] // max(R, 1), R).sum(axis=1)
 
 
+def _oracle_lengths(accepted: np.ndarray, R: int, sps: SPSCurve, max_iter: int = 100) -> np.ndarray:
+    """The oracle's verified drafts per request, int64 [S, R], from the realised accepted drafts
+    ``accepted`` int [S, R] of S steps (module doc: the count m per step by Dinkelbach's method, then
+    given to the requests in order, never past a request's accepted drafts)."""
+    total = accepted.sum(axis=1)
+    m = np.arange(int(total.max()) + 1)
+    seconds = 1.0 / sps(R + m)
+    feasible = m[None, :] <= total[:, None]
+    choice = total.copy()
+    for _ in range(max_iter):
+        rho = float((R + choice).sum()) / float(seconds[choice].sum())
+        new = np.where(feasible, (R + m)[None, :] - rho * seconds[None, :], -np.inf).argmax(axis=1)
+        if (new == choice).all():
+            break
+        choice = new
+    before = np.cumsum(accepted, axis=1) - accepted
+    return np.clip(choice[:, None] - before, 0, accepted).astype(np.int64)
+
+
 def _summary(tokens: float, seconds: float, steps: int, R: int, verified: float) -> dict:
     """Throughput summary of one policy at concurrency R over ``steps`` steps."""
     tps = tokens / seconds
@@ -320,8 +350,10 @@ def simulate(outcomes: np.ndarray, conf: np.ndarray, sps: SPSCurve | Mapping[int
     Returns:
         JSON-able dict ``{"gamma", "n_steps", "seed", "min_speedup", "results": [per R: {"R", "fixed":
         {"1": summary, ...}, "scheduler": summary, "production": summary, "algorithm1": summary (DSpark
-        Algorithm 1 alone, no fallback, for comparison), "best_fixed_gamma", "adaptive" (False where
-        the fallback verified the fixed block), "ratio_scheduler", "ratio_production", "ratio_algorithm1"}]}``; a summary is ``{"tokens_per_s", "tokens_per_s_per_user", "tau"
+        Algorithm 1 alone, no fallback, for comparison), "oracle": summary (the best plan knowing
+        the outcomes: the bound of the module doc), "best_fixed_gamma", "adaptive"
+        (False where the fallback verified the fixed block), "ratio_scheduler", "ratio_production",
+        "ratio_algorithm1", "ratio_oracle"}]}``; a summary is ``{"tokens_per_s", "tokens_per_s_per_user", "tau"
         (tokens per request per step, bonus included), "verified_per_request"}`` and the ratios are
         tokens/s over the best fixed gamma's tokens/s.
     Raises:
@@ -356,7 +388,7 @@ def simulate(outcomes: np.ndarray, conf: np.ndarray, sps: SPSCurve | Mapping[int
         adaptive = (min_speedup is None or adaptive_can_pay(curve, R, gamma, min_speedup)) and (
             adaptive_at is None or R in adaptive_at)
         n_admit, position = _schedule_steps(a_all[idx], curve)
-        lengths = {"algorithm1": _prefix_lengths(position, n_admit, R)}
+        lengths = {"algorithm1": _prefix_lengths(position, n_admit, R), "oracle": _oracle_lengths(out[idx].sum(axis=2), R, curve)}
         if adaptive:
             lengths["scheduler"] = lengths["algorithm1"]
             stale = np.concatenate([n_admit[:2], n_admit[:-2]])[:n_steps]  # the budget of two steps earlier
@@ -364,7 +396,7 @@ def simulate(outcomes: np.ndarray, conf: np.ndarray, sps: SPSCurve | Mapping[int
         else:
             lengths["scheduler"] = lengths["production"] = np.full((n_steps, R), min(int(best), gamma))
         entry = {"R": R, "fixed": fixed, "best_fixed_gamma": int(best), "adaptive": adaptive}
-        for name in ("scheduler", "production", "algorithm1"):
+        for name in ("scheduler", "production", "algorithm1", "oracle"):
             ln = lengths[name]
             tokens = float((1 + np.take_along_axis(accepted_upto[idx], ln[..., None], axis=2)).sum())
             seconds = 0.0

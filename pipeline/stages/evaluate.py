@@ -418,7 +418,8 @@ def confidence_summary(cfg: RunConfig, configs: dict[str, Any], realised: dict[s
         (the report set: ``"decoding"``, or ``"decoding, odd prompts"`` without a block-level evaluation),
         "rounds", "estimators": {name: {"auc": [gamma], "ece": [gamma]}}, "scheduler": {"cpu": {R:
         ratio}, "h200_model": {R: ratio}}, "scheduler_production": {...} (two-step lag), "scheduler_algorithm1": {...} (DSpark
-        Algorithm 1 without the fixed-block fallback), "scheduler_by_estimator":
+        Algorithm 1 without the fixed-block fallback), "scheduler_oracle": {...} (the bound: every request
+        verifies exactly its accepted drafts, what a perfect estimator would reach), "scheduler_by_estimator":
         {name: {"cpu": {R: ratio}, "h200_model": {R: ratio}}}, "tau": {"decoding", "decoding_se",
         "block", "block_se"}}]}`` (estimator names with ``_`` for spaces and dashes: ``max_q``); None
         when no drafter has a confidence head.
@@ -450,6 +451,7 @@ def confidence_summary(cfg: RunConfig, configs: dict[str, Any], realised: dict[s
                          "scheduler_algorithm1": {c: {R: v["ratio_algorithm1"] for R, v in sim[shipped].items()}
                                                   for c, sim in sims.items() if shipped in sim},
                          "scheduler_by_estimator": by_est,
+                         "scheduler_oracle": {c: sim["oracle"] for c, sim in sims.items() if "oracle" in sim},
                          "tau": {"decoding": overall.get("tau"), "decoding_se": overall.get("tau_se"),
                                  "block": None if block is None else block["tau"],
                                  "block_se": None if block is None else block["tau_se"]}})
