@@ -118,7 +118,7 @@ gpu-check-dry: install
 # The whole recipe (generate, cache, train, calibrate, export, evaluate, vLLM loading the DSpark export and
 # serving the DFlash one at T=0 against the target alone) on a random target of Qwen3-4B's real shape, on
 # this CPU; writes runs/rehearsal/rehearsal.json and prints its table (bench/rehearsal.py). By default the
-# target's depth is cut to 8 layers (widths kept; about 35 min here); REHEARSAL_ARGS="--depth 36" runs the
+# target's depth is cut to 8 layers (widths kept; 53 min here, 2026-12-06); REHEARSAL_ARGS="--depth 36" runs the
 # real depth (over an hour), "--quick" cuts the widths too (a few minutes).
 REHEARSAL_ARGS ?= --depth 8
 rehearsal: install
