@@ -36,8 +36,17 @@ CONCURRENCY = (16, 64, 128, 256, 512)
 
 
 def headroom(rates, separations, n_blocks: int, seed: int, concurrency=CONCURRENCY) -> list[dict]:
-    """Per separation d: mean survival AUC over positions and Algorithm 1's ratio over the best fixed block
-    per R on the H200 model (``None`` for d: the oracle)."""
+    """Synthetic headroom of adaptive verification (module doc).
+
+    Args:
+        rates: per-slot conditional acceptance, gamma floats in (0, 1). separations: estimator separations d
+            (>= 0; per-slot AUC Phi(d / sqrt 2)). n_blocks: synthetic blocks (half fit, half replayed).
+        seed: numpy / scheduler seed. concurrency: R values of the H200 roofline model.
+    Returns:
+        one dict per d: ``{"d", "per_slot_auc", "survival_auc" (mean over positions of the replayed half),
+        "ratio": {R: Algorithm 1 tokens/s over the best fixed block}, "oracle": {R: ratio},
+        "best_fixed": {R: gamma}}``.
+    """
     rng = np.random.default_rng(seed)
     gamma = len(rates)
     acc = rng.random((n_blocks, gamma)) < np.asarray(rates)

@@ -254,7 +254,7 @@ def compare(fit: Outcomes, reports: dict[str, Outcomes], sps, *, concurrency: Se
         ``{"fit_blocks", "estimators": {name: params}, "metrics": {set: {"blocks", name: [per position]}},
         "simulation": {"set", "blocks", "fixed": {R: {gamma: tokens/s}}, "best_fixed": {R: gamma},
         "adaptive": {R: bool} (any estimator verified adaptively there), "oracle": {R: ratio} (the bound:
-        every request verifies exactly its accepted drafts, ``pipeline.inference.scheduler`` module doc), name: {R: {"tokens_per_s", "ratio",
+        the best plan knowing the outcomes, ``pipeline.inference.scheduler`` module doc), name: {R: {"tokens_per_s", "ratio",
         "adaptive" (this estimator's policy was adaptive, not the fixed block), "ratio_production", "ratio_algorithm1",
         "verified_per_request"}}}}`` (R as str), plus ``"simulation_h200_model"`` of the same form
         when ``model_curves`` is given.
@@ -318,8 +318,8 @@ def format_tables(name: str, key: str, cmp: dict[str, Any]) -> str:
                   f"realised full blocks of {sim['set']}, scheduler = DSpark Algorithm 1 with the fixed-block "
                   "fallback, production variant in brackets; * = fallback: the curve says other lengths cannot pay, or "
                   f"no estimator beat the best fixed block by {CALIBRATION_MIN_GAIN:.0%} on the calibration rounds; "
-                  "f = this estimator fell back to the fixed block; oracle = every request verifies exactly its "
-                  "accepted drafts, what a perfect estimator would reach)",
+                  "f = this estimator fell back to the fixed block; oracle = the best plan knowing the outcomes, "
+                  "what a perfect estimator would reach)",
                   "| R | best fixed gamma | fixed tokens/s | " + " | ".join(est) + " | oracle (bound) |",
                   "|---:|---:|---:|" + "---:|" * (len(est) + 1)]
         for R, g in sim["best_fixed"].items():

@@ -288,9 +288,17 @@ def _prefix_lengths(position: np.ndarray, budget: np.ndarray, R: int) -> np.ndar
 
 
 def _oracle_lengths(accepted: np.ndarray, R: int, sps: SPSCurve, max_iter: int = 100) -> np.ndarray:
-    """The oracle's verified drafts per request, int64 [S, R], from the realised accepted drafts
-    ``accepted`` int [S, R] of S steps (module doc: the count m per step by Dinkelbach's method, then
-    given to the requests in order, never past a request's accepted drafts)."""
+    """The oracle's verified drafts per request (module doc: the bound no verification policy beats).
+
+    Args:
+        accepted: int [S, R] realised accepted drafts of each request in each of S steps.
+        R: requests per step. sps: the step's cost curve (steps/s at B tokens per step).
+        max_iter: Dinkelbach iterations at most (each step's count m only moves while the ratio rises;
+            a few suffice in practice).
+    Returns:
+        int64 [S, R]: per step the count m maximising the run's tokens / seconds (Dinkelbach 1967, the
+        ratio of sums), given to the requests in order and never past a request's accepted drafts.
+    """
     total = accepted.sum(axis=1)
     m = np.arange(int(total.max()) + 1)
     seconds = 1.0 / sps(R + m)
@@ -388,7 +396,8 @@ def simulate(outcomes: np.ndarray, conf: np.ndarray, sps: SPSCurve | Mapping[int
         adaptive = (min_speedup is None or adaptive_can_pay(curve, R, gamma, min_speedup)) and (
             adaptive_at is None or R in adaptive_at)
         n_admit, position = _schedule_steps(a_all[idx], curve)
-        lengths = {"algorithm1": _prefix_lengths(position, n_admit, R), "oracle": _oracle_lengths(out[idx].sum(axis=2), R, curve)}
+        lengths = {"algorithm1": _prefix_lengths(position, n_admit, R),
+                   "oracle": _oracle_lengths(out[idx].sum(axis=2), R, curve)}
         if adaptive:
             lengths["scheduler"] = lengths["algorithm1"]
             stale = np.concatenate([n_admit[:2], n_admit[:-2]])[:n_steps]  # the budget of two steps earlier

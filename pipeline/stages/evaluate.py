@@ -418,8 +418,8 @@ def confidence_summary(cfg: RunConfig, configs: dict[str, Any], realised: dict[s
         (the report set: ``"decoding"``, or ``"decoding, odd prompts"`` without a block-level evaluation),
         "rounds", "estimators": {name: {"auc": [gamma], "ece": [gamma]}}, "scheduler": {"cpu": {R:
         ratio}, "h200_model": {R: ratio}}, "scheduler_production": {...} (two-step lag), "scheduler_algorithm1": {...} (DSpark
-        Algorithm 1 without the fixed-block fallback), "scheduler_oracle": {...} (the bound: every request
-        verifies exactly its accepted drafts, what a perfect estimator would reach), "scheduler_by_estimator":
+        Algorithm 1 without the fixed-block fallback), "scheduler_oracle": {...} (the bound: the best plan
+        knowing the outcomes, what a perfect estimator would reach), "scheduler_by_estimator":
         {name: {"cpu": {R: ratio}, "h200_model": {R: ratio}}}, "tau": {"decoding", "decoding_se",
         "block", "block_se"}}]}`` (estimator names with ``_`` for spaces and dashes: ``max_q``); None
         when no drafter has a confidence head.
