@@ -337,6 +337,11 @@ class CalibrateConfig:
     # drafts; adopted only if it ranks held-out prompts' slots better (AUC) than the trained head. 0 = off
     refit_prompts: int = 64
     refit_max_new_tokens: int = 64
+    # the gate rounds: the drafter, with the head calibrate keeps, decodes the prompts of the next gate_prompts
+    # held-out samples (after the refit's) at the head's setting (refit_max_new_tokens each); the evaluate
+    # stage fits its estimators on these on-policy rounds at that setting and enables adaptive verification
+    # at a concurrency only where it gained there (pipeline.inference.realised). 0 = off (teacher-forced blocks)
+    gate_prompts: int = 64
 
 
 @dataclass
@@ -562,6 +567,8 @@ def validate(cfg: RunConfig) -> RunConfig:
            f"must be >= 1 held-out samples, or null to use all (got {cfg.calibrate.max_samples})")
     _check(cfg.calibrate.refit_prompts == 0 or cfg.calibrate.refit_prompts >= 4, "calibrate.refit_prompts",
            f"must be 0 (no on-policy refit) or >= 4 prompts (got {cfg.calibrate.refit_prompts})")
+    _check(cfg.calibrate.gate_prompts >= 0, "calibrate.gate_prompts",
+           f"must be >= 0 prompts (0 = no gate rounds; got {cfg.calibrate.gate_prompts})")
     _check(cfg.calibrate.refit_max_new_tokens >= 2, "calibrate.refit_max_new_tokens", "must be >= 2 tokens")
     _check(cfg.evaluate.sampling is None or cfg.evaluate.temperatures is None, "evaluate.temperatures",
            "is the deprecated form of evaluate.sampling: set only evaluate.sampling, e.g. "

@@ -34,6 +34,7 @@ REDUCED = ["generate.max_rows=48", "generate.rows_per_shard=16", "generate.max_n
            "train.drafters.dflash.block_size=4", "train.drafters.dspark.block_size=4", "train.drafters.eagle3.block_size=4",
            "train.drafters.dspark.markov_rank=16", "evaluate.num_prompts=4", "evaluate.max_new_tokens=24",
            "evaluate.concurrency=[1,8]", "evaluate.thresholds=[0.5]", "calibrate.refit_max_new_tokens=24",
+           "calibrate.refit_prompts=8",  # the rest of the 16 held-out samples' prompts: the gate rounds
            # 6 optimizer steps: Muon (the tiny recipe's, tuned for thousands of steps) leaves DFlash
            # where it starts (held-out tau_expected 1.02, greedy block tau 1.000; AdamW: 1.77), so this
            # pipeline check trains on AdamW; Muon end to end is tests/test_features.py's
@@ -101,8 +102,14 @@ def test_all_stages_on_s3(tmp_path, s3_url, capsys):
                 assert all(by_curve[curve][R] <= b + 1e-9 for R, b in bound.items())
     ece = s["calibrate"]["drafters"]["dspark"]
     assert len(ece["temperatures"]) == 4 and all(t > 0 for t in ece["temperatures"])
-    refit = ece["refit"]  # the held-out samples' prompts (at most 16) decoded by the drafter; its head adopted, or the reason
-    assert 8 <= refit["prompts"] <= 16 and ("skipped" in refit or refit["slots"] > 0)
+    refit = ece["refit"]  # 8 held-out samples' prompts decoded by the drafter; its head adopted, or the reason
+    assert refit["prompts"] == 8 and ("skipped" in refit or refit["slots"] > 0)
+    gate = ece["gate"]  # the next held-out samples' prompts, decoded with the kept head at the serving setting
+    assert 1 <= gate["prompts"] <= 8 and gate["rounds"] >= gate["full_blocks"] > 0, gate
+    assert gate["sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    fitted = {x["temperature"]: x["fitted_on"] for x in confidence["settings"]}  # estimators fitted and gated there
+    assert fitted == {0.0: "held-out blocks, even batches", 1.0: "held-out blocks, even batches",
+                      0.7: f"on-policy gate rounds of {gate['prompts']} calibrate prompts"}
     assert fs.exists(join(run_dir, "calibrate", "dspark", "confidence_head.safetensors")) == refit["adopted"]
 
     assert s["export"]["drafters"]["eagle3"]["format"] == "speculators"

@@ -184,6 +184,17 @@ def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, t
     assert refit["adopted"] == (refit["heldout_auc"]["refit"] > refit["heldout_auc"]["trained"])
     head_file = out / "confidence_head.safetensors"
     assert head_file.exists() == refit["adopted"]
+    # the gate rounds: the 8 held-out samples after the refit's, decoded with the kept head at its setting
+    from pipeline.drafters import head_digest, load_trained_drafter
+    from pipeline.inference.realised import load_outcomes
+
+    gate = s["gate"]
+    assert gate == report["gate"] and gate["prompts"] == 8 and gate["rounds"] >= gate["full_blocks"] > 0
+    assert gate["sampling"] == s["confidence_sampling"]
+    rounds = load_outcomes(str(out / "gate_rounds.safetensors"))
+    assert rounds.num_blocks == gate["rounds"] and set(rounds.group.tolist()) <= set(range(8))
+    assert bool((rounds.accepted <= rounds.verified).all()) and rounds.gamma == 7
+    assert gate["head"] == head_digest(load_trained_drafter(cfg, "dspark", cfg.target.path, calibrated=True))
 
     exported = run_export(cfg)
     assert "sample_from_anchor=false" in exported["skipped"]["dflash"]

@@ -79,3 +79,31 @@ def test_adaptive_verification_runs_only_where_it_gained_on_the_calibration_roun
     assert sim["adaptive"] == {"1": False, "64": True, "256": True}
     assert "| 64 | " in format_tables("dspark", "T=1", {"fit_blocks": fit.num_blocks, "estimators": {}, "metrics": {},
                                                         "simulation": sim})
+
+
+def test_gate_rounds_are_used_only_with_the_head_that_scored_them(tmp_path, caplog):
+    """calibrate's gate rounds round-trip through safetensors; evaluate takes them only when its head
+    is the one that scored them (a head replaced since would be judged on another head's logits)."""
+    from types import SimpleNamespace
+
+    from pipeline.inference.realised import load_outcomes, save_outcomes
+    from pipeline.stages.calibrate import gate_rounds_url
+    from pipeline.stages.evaluate import gate_outcomes
+    from storage import write_json
+
+    cfg = SimpleNamespace(run_dir=str(tmp_path))
+    data = _outcomes(60, 1)
+    save_outcomes(gate_rounds_url(cfg, "dspark"), data)
+    back = load_outcomes(gate_rounds_url(cfg, "dspark"))
+    assert all(torch.equal(getattr(back, f), getattr(data, f)) for f in ("z", "max_q", "accepted", "verified", "group"))
+    assert gate_outcomes(cfg, "dspark", "abc") is None                    # no calibrate report
+    gate = {"prompts": 5, "rounds": 60, "full_blocks": 60, "sampling": {"temperature": 0.7, "top_p": 0.8, "top_k": 20},
+            "head": "abc", "seconds": 1.0}
+    write_json(str(tmp_path / "calibrate" / "dspark" / "report.json"), {"gate": gate})
+    found, report = gate_outcomes(cfg, "dspark", "abc")
+    assert report == gate and torch.equal(found.accepted, data.accepted)
+    with caplog.at_level("WARNING"):
+        assert gate_outcomes(cfg, "dspark", "def") is None
+    assert "another confidence head" in caplog.text
+    write_json(str(tmp_path / "calibrate" / "dspark" / "report.json"), {"gate": {"skipped": "no prompt", "prompts": 0}})
+    assert gate_outcomes(cfg, "dspark", "abc") is None

@@ -33,7 +33,7 @@ import torch
 
 from pipeline.inference.scheduler import MIN_SPEEDUP
 
-__all__ = ["Outcomes", "from_rounds", "from_records", "fit_estimators", "conditional", "metrics",
+__all__ = ["Outcomes", "from_rounds", "from_records", "save_outcomes", "load_outcomes", "fit_estimators", "conditional", "metrics",
            "plot_reliability", "compare", "recommendation", "format_tables"]
 
 ESTIMATORS = ("raw", "global T", "STS", "max-q", "export")
@@ -100,6 +100,28 @@ def from_records(rec: dict[str, list[torch.Tensor]]) -> Outcomes:
     cat = {k: torch.cat(v) for k, v in rec.items()}
     return Outcomes(cat["z"].double(), cat["max_q"].double(), cat["accepted"].long(), cat["verified"].long(),
                     cat["group"].long())
+
+
+def save_outcomes(url: str, data: Outcomes) -> None:
+    """Write ``data``'s tensors to a safetensors file at ``url`` (fsspec)."""
+    from safetensors.torch import save
+
+    from storage import filesystem
+
+    fs, path = filesystem(url)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, save({f: getattr(data, f).contiguous() for f in ("z", "max_q", "accepted", "verified", "group")}))
+
+
+def load_outcomes(url: str) -> Outcomes:
+    """What :func:`save_outcomes` wrote. Raises FileNotFoundError if absent."""
+    from safetensors.torch import load
+
+    from storage import filesystem
+
+    fs, path = filesystem(url)
+    t = load(fs.cat_file(path))
+    return Outcomes(t["z"], t["max_q"], t["accepted"], t["verified"], t["group"])
 
 
 def fit_estimators(fit: Outcomes, *, export_temperature: float | None = None, n_bins: int = 15
@@ -242,16 +264,17 @@ def _simulation(set_name: str, full: Outcomes, est: dict[str, Any], sps, concurr
 
 def compare(fit: Outcomes, reports: dict[str, Outcomes], sps, *, concurrency: Sequence[int],
             export_temperature: float | None, seed: int, n_bins: int = 15, model_curves=None,
-            min_speedup: float | None = MIN_SPEEDUP) -> dict[str, Any]:
+            min_speedup: float | None = MIN_SPEEDUP, fit_set: str = "other blocks") -> dict[str, Any]:
     """Fit the estimators on ``fit``; per report set, their per-position metrics; on the first report
     set's full blocks, the scheduler simulation per estimator against fixed block lengths, on ``sps``
     and, when given, on ``model_curves`` (``{R: SPSCurve}``, e.g. the H200 roofline model);
     ``min_speedup``: the scheduler's fixed-block fallback (``pipeline.inference.scheduler.simulate``);
     each estimator's adaptive policy also runs only at the R where it beat the best fixed block by
-    :data:`CALIBRATION_MIN_GAIN` on ``fit``'s full blocks (the rest: the fixed block).
+    :data:`CALIBRATION_MIN_GAIN` on ``fit``'s full blocks (the rest: the fixed block). ``fit_set``
+    names what ``fit`` is, for the tables.
 
     Returns:
-        ``{"fit_blocks", "estimators": {name: params}, "metrics": {set: {"blocks", name: [per position]}},
+        ``{"fit_blocks", "fit_set", "estimators": {name: params}, "metrics": {set: {"blocks", name: [per position]}},
         "simulation": {"set", "blocks", "fixed": {R: {gamma: tokens/s}}, "best_fixed": {R: gamma},
         "adaptive": {R: bool} (any estimator verified adaptively there), "oracle": {R: ratio} (the bound:
         the best plan knowing the outcomes, ``pipeline.inference.scheduler`` module doc), name: {R: {"tokens_per_s", "ratio",
@@ -260,7 +283,7 @@ def compare(fit: Outcomes, reports: dict[str, Outcomes], sps, *, concurrency: Se
         when ``model_curves`` is given.
     """
     est = fit_estimators(fit, export_temperature=export_temperature, n_bins=n_bins)
-    out: dict[str, Any] = {"fit_blocks": fit.num_blocks, "estimators": est, "metrics": {}}
+    out: dict[str, Any] = {"fit_blocks": fit.num_blocks, "fit_set": fit_set, "estimators": est, "metrics": {}}
     for name, data in reports.items():
         out["metrics"][name] = {"blocks": data.num_blocks, **{e: metrics(conditional(p, data), data) for e, p in est.items()}}
     set_name, data = next(iter(reports.items()))
@@ -301,8 +324,8 @@ def format_tables(name: str, key: str, cmp: dict[str, Any]) -> str:
     for set_name, m in cmp["metrics"].items():
         est = [e for e in ESTIMATORS if e in m]
         g = len(m[est[0]])
-        lines += ["", f"{name} {key}, {set_name} ({m['blocks']} blocks; fitted on {cmp['fit_blocks']} other "
-                  "blocks): ECE equal-mass / ECE 15 bins / AUC of survival per position",
+        lines += ["", f"{name} {key}, {set_name} ({m['blocks']} blocks; fitted on {cmp['fit_blocks']} "
+                  f"{cmp.get('fit_set', 'other blocks')}): ECE equal-mass / ECE 15 bins / AUC of survival per position",
                   "| estimator | " + " | ".join(f"k={k + 1}" for k in range(g)) + " | mean ECE |",
                   "|---|" + "---:|" * (g + 1)]
         for e in est:

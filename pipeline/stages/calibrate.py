@@ -36,6 +36,9 @@ prompts' slots better than the trained head; STS then calibrates whichever head 
 Outputs under ``<run_dir>/calibrate/<drafter>/``: ``report.json`` (temperatures; ECE, Brier and AUC
 per position before and after; the refit's figures), ``confidence_head.safetensors`` (the adopted
 refitted head, :func:`pipeline.drafters.save_calibrated_head`; export and evaluate load it),
+``gate_rounds.safetensors`` (the kept head's own decoding rounds on the next ``calibrate.gate_prompts``
+held-out prompts at its setting, :func:`gate_rounds`: where evaluate fits its estimators and decides
+where adaptive verification runs),
 ``reliability.png`` and ``confidence.safetensors`` (the ``z``, ``y``,
 ``valid`` arrays, so that the export stage can report the ECE of the confidence as vLLM sees it).
 The evaluate stage judges every estimator again on the decoding loop's rounds of held-out prompts.
@@ -59,7 +62,7 @@ log = logging.getLogger("pipeline.stages.calibrate")
 
 __all__ = ["ConfidenceSet", "HeldoutSelection", "select_heldout", "heldout_batches", "collect_confidence",
            "realised_confidence", "calibrate_drafter", "save_confidence", "load_confidence", "task_options", "task_device", "run_task",
-           "run_calibrate"]
+           "gate_rounds_url", "gate_rounds", "run_calibrate"]
 
 LABEL_KINDS = {"expected": "expected_acceptance",  # c*_k = 1 - 0.5 ||p_d - p_t||_1 from the cached target states
                "realised": "realised_acceptance"}  # 1[accepted >= k] of the drafter's own drafts at its T
@@ -390,28 +393,43 @@ def sample_prompts(reader, selection: HeldoutSelection, count: int) -> list[list
     return out
 
 
+def gate_rounds_url(cfg: RunConfig, name: str) -> str:
+    """Where calibrate writes drafter ``name``'s gate rounds (:func:`gate_rounds`) and evaluate reads them."""
+    return join(cfg.run_dir, "calibrate", name, "gate_rounds.safetensors")
+
+
+def decode_prompts(target, tap, stop: set[int], drafter, prompts: Sequence[Sequence[int]], *, sampling,
+                   max_new_tokens: int, seed: int, keep_confidence_inputs: bool = False) -> list:
+    """The drafter's own decoding of ``prompts`` (:func:`pipeline.inference.speculate.speculative_decode` at
+    ``sampling``, every block verified; one generator on the target's device seeded ``seed``, prompts in
+    order): a pure function of (weights, prompts, setting, seed). Returns one ``Decoded`` per prompt."""
+    from pipeline.inference.speculate import device_generator, speculative_decode
+
+    gen = device_generator(target.device, seed)
+    return [speculative_decode(target, drafter, ids, tap=tap, max_new_tokens=max_new_tokens, temperature=sampling,
+                               stop_ids=stop, generator=gen, keep_confidence_inputs=keep_confidence_inputs)
+            for ids in prompts]
+
+
 def onpolicy_rounds(target, tap, stop: set[int], drafter, prompts: Sequence[Sequence[int]], *, sampling,
                     max_new_tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """The drafter's own decoding rounds on ``prompts`` (:func:`pipeline.inference.speculate.speculative_decode`
-    at ``sampling``, every block verified), arranged as the refit's rows.
+    """The drafter's own decoding rounds on ``prompts`` (:func:`decode_prompts`), arranged as the refit's rows.
 
     Args:
         target: the frozen target (HF causal LM, eval). tap: a ``LayerTap`` on it at the drafter's layer
             ids. stop: stop ids. drafter: a drafter with a confidence head. prompts: token id lists.
         sampling: a T >= 0 or a :class:`training.spec_sampling.Sampling`. max_new_tokens: per prompt.
-        seed: the generator seed (one generator on the target's device, prompts in order).
+        seed: the generator seed.
     Returns:
         ``(x [n, D] float32, y [n] float32, group [n] int64 prompt index, z [n] float32 the trained
         head's logits)`` over the reached slots (:func:`training.confidence_refit.reached_rows`).
     """
-    from pipeline.inference.speculate import device_generator, speculative_decode
     from training.confidence_refit import reached_rows
 
-    gen = device_generator(target.device, seed)
     xs, ys, gs, zs = [], [], [], []
-    for p, ids in enumerate(prompts):
-        rounds = speculative_decode(target, drafter, ids, tap=tap, max_new_tokens=max_new_tokens, temperature=sampling,
-                                    stop_ids=stop, generator=gen, keep_confidence_inputs=True).rounds
+    for p, decoded in enumerate(decode_prompts(target, tap, stop, drafter, prompts, sampling=sampling,
+                                               max_new_tokens=max_new_tokens, seed=seed, keep_confidence_inputs=True)):
+        rounds = decoded.rounds
         if not rounds:
             continue
         x, y, r, k = reached_rows(torch.stack([rd.confidence_input for rd in rounds]),
@@ -422,6 +440,37 @@ def onpolicy_rounds(target, tap, stop: set[int], drafter, prompts: Sequence[Sequ
         raise PipelineError(f"calibrate: no decoding round on {len(prompts)} refit prompts (each stopped at once): "
                             "raise calibrate.refit_prompts or set it to 0")
     return tuple(torch.cat(t) for t in (xs, ys, gs, zs))
+
+
+def gate_rounds(cfg: RunConfig, model, target, tap, stop: set[int], prompts: Sequence[Sequence[int]], sampling
+                ) -> tuple[Any, dict[str, Any]]:
+    """The gate rounds: ``model`` (with the head calibrate keeps) decodes ``prompts`` at ``sampling`` (the
+    head's serving setting; ``calibrate.refit_max_new_tokens`` each, seed ``train.seed + 1``), every block
+    verified. These on-policy rounds, of prompts neither the refit nor the evaluate stage uses, are where
+    evaluate fits its estimators at that setting and decides at which concurrency adaptive verification
+    runs (:func:`pipeline.inference.realised.compare`): teacher-forced blocks misjudge both (docs/confidence.md).
+
+    Returns:
+        ``(outcomes, report)``: a :class:`pipeline.inference.realised.Outcomes` (group = prompt index) and
+        ``{"prompts", "rounds", "full_blocks", "sampling" ({temperature, top_p, top_k}), "head"
+        (:func:`pipeline.drafters.head_digest` of the head that scored them), "seconds"}``; without a
+        prompt or a round: ``(None, {"skipped": reason, "prompts"})``.
+    """
+    from pipeline.drafters import head_digest
+    from pipeline.inference.realised import from_rounds
+
+    if not prompts:
+        return None, {"skipped": "no held-out sample left after the refit's prompts (calibrate.gate_prompts, "
+                                 "train.heldout_shards)", "prompts": 0}
+    t0 = time.perf_counter()
+    runs = decode_prompts(target, tap, stop, model, prompts, sampling=sampling,
+                          max_new_tokens=cfg.calibrate.refit_max_new_tokens, seed=cfg.train.seed + 1)
+    try:
+        data = from_rounds(runs)
+    except ValueError as e:
+        return None, {"skipped": str(e), "prompts": len(prompts)}
+    return data, {"prompts": len(prompts), "rounds": data.num_blocks, "full_blocks": data.full().num_blocks,
+                  "sampling": sampling.to_dict(), "head": head_digest(model), "seconds": time.perf_counter() - t0}
 
 
 def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], prompts: Sequence[Sequence[int]],
@@ -461,10 +510,12 @@ def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], pr
 
 
 def collect_all(cfg: RunConfig, names: Sequence[str], selection: HeldoutSelection
-                ) -> dict[str, tuple[ConfidenceSet, float]]:
-    """``{name: (ConfidenceSet, tau_expected, refit)}`` for each drafter in ``names``: first the on-policy
+                ) -> dict[str, tuple[ConfidenceSet, float, dict | None, tuple | None]]:
+    """``{name: (ConfidenceSet, tau_expected, refit, gate)}`` for each drafter in ``names``: first the on-policy
     refit of its head (:func:`refit_confidence_head` on the prompts of the first ``calibrate.refit_prompts``
-    selected held-out samples; ``refit`` None when that is 0), then, with the head it keeps, the
+    selected held-out samples; ``refit`` None when that is 0), then, with the head it keeps, the gate
+    rounds on the prompts of the next ``calibrate.gate_prompts`` samples (:func:`gate_rounds`; ``gate`` None
+    when that is 0), and the
     :class:`ConfidenceSet` over the ``selection`` of held-out samples on the labels its
     ``confidence_calibration`` names (:func:`realised_confidence` or :func:`collect_confidence`) and its
     held-out ``tau_expected`` at T = 1 (``1 + sum_j prod_{i<=j} c*_i``, block mean). Each drafter runs on
@@ -486,19 +537,22 @@ def collect_all(cfg: RunConfig, names: Sequence[str], selection: HeldoutSelectio
     reader = CacheReader(cache_url(cfg), expected_fingerprint(cfg, target_dir))
     loss_cfg = LossConfig(ce_weight=cfg.train.loss_ce, tv_weight=cfg.train.loss_tv,
                           confidence_weight=cfg.train.loss_conf, decay_lambda=cfg.train.decay_lambda)
-    target = None
-    if cfg.calibrate.refit_prompts and names:
+    target, n_refit = None, cfg.calibrate.refit_prompts
+    if (n_refit or cfg.calibrate.gate_prompts) and names:
         from pipeline.target_model.loader import load_target, stop_ids
         from pipeline.target_model.prefill import LayerTap
 
         target, tok, _ = load_target(cfg.target, device)
         tap, stop = LayerTap(target, cfg.target.target_layer_ids), stop_ids(target, tok)
-        prompts = sample_prompts(reader, selection, cfg.calibrate.refit_prompts)
+        prompts = sample_prompts(reader, selection, n_refit + cfg.calibrate.gate_prompts)
     out = {}
     for name in names:
         model = eval_drafter(load_trained_drafter(cfg, name, target_dir), device, dtype)
         sampling = Sampling(*confidence_sampling(cfg.train.drafters[name], cfg))  # the run config's, not the record's
-        refit = None if target is None else refit_confidence_head(cfg, model, target, tap, stop, prompts, sampling)
+        refit = None if target is None or not n_refit else refit_confidence_head(cfg, model, target, tap, stop,
+                                                                                 prompts[:n_refit], sampling)
+        gate = None if target is None or not cfg.calibrate.gate_prompts else gate_rounds(
+            cfg, model, target, tap, stop, prompts[n_refit:], sampling)
         batches = heldout_batches(reader, selection, cfg.train.micro_batch_samples)
         if cfg.train.drafters[name].confidence_calibration == "realised":
             data, tau = realised_confidence(model, batches, sampling=sampling,
@@ -506,7 +560,7 @@ def collect_all(cfg: RunConfig, names: Sequence[str], selection: HeldoutSelectio
         else:
             data = collect_confidence(model, batches, loss_cfg, seed=cfg.train.seed)
             tau = float(expected_tau(data.y, data.valid).mean())
-        out[name] = data, tau, refit
+        out[name] = data, tau, refit, gate
         del model
     return out
 
@@ -519,7 +573,8 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
         "global_temperature", "at_bounds", "num_blocks", "block_size", "label" (``"realised_acceptance"`` or
         ``"expected_acceptance"``), "confidence_sampling" ({temperature, top_p, top_k}), "heldout_tau_expected", "ece_before",
         "ece_after", "ece_global", "refit" (:func:`refit_confidence_head`'s figures, or None: ``calibrate.refit_prompts``
-        0), "samples_used", "samples_available"} | {"skipped": reason}}}`` with ECE lists per position on the report half (None where undefined); ``heldout_tau_expected`` is the mean over held-out blocks of
+        0), "gate" (:func:`gate_rounds`'s report, or None: ``calibrate.gate_prompts`` 0), "samples_used",
+        "samples_available"} | {"skipped": reason}}}`` with ECE lists per position on the report half (None where undefined); ``heldout_tau_expected`` is the mean over held-out blocks of
         ``1 + sum_j prod_{i<=j} c*_i`` (:func:`training.losses.expected_tau`). ``samples_used`` of the
         ``samples_available`` held-out samples were run (``calibrate.max_samples``: :func:`select_heldout`);
         each drafter's ``report.json`` records both too.
@@ -529,6 +584,7 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     """
     from cache_schema import CacheReader
     from pipeline.drafters import calibrated_head_url, save_calibrated_head
+    from pipeline.inference.realised import save_outcomes
     from pipeline.stages.cache import cache_url
     from pipeline.target_model.loader import resolve_target_path
     from pipeline.stages.train import expected_fingerprint
@@ -548,21 +604,27 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
         if not spec.confidence_head:
             summary["drafters"][name] = {"skipped": "no confidence head"}
             continue
-        data, tau_expected, refit = sets[name]
+        data, tau_expected, refit, gate = sets[name]
         label = spec.confidence_calibration
         out = join(cfg.run_dir, "calibrate", name)
         head_url = calibrated_head_url(cfg, name)
         fs, head_path = filesystem(head_url)
-        if fs.exists(head_path):  # an earlier calibrate's head: never left beside a report that did not adopt it
-            fs.rm(head_path)
+        for stale in (head_path, filesystem(gate_rounds_url(cfg, name))[1]):
+            if fs.exists(stale):  # an earlier calibrate's head or gate rounds: never left beside a report without them
+                fs.rm(stale)
         refit_report = None
         if refit is not None:
             refit_report = {k: v for k, v in refit.items() if k not in ("weight", "bias", "replaces")}
             if refit.get("adopted"):
                 save_calibrated_head(head_url, refit["weight"], refit["bias"], refit["replaces"])
+        gate_report = None
+        if gate is not None:
+            outcomes, gate_report = gate
+            if outcomes is not None:
+                save_outcomes(gate_rounds_url(cfg, name), outcomes)
         report = {**calibrate_drafter(data, n_bins=cfg.calibrate.bins, grid_step=cfg.calibrate.grid_step, label=label),
                   "confidence_sampling": dict(zip(("temperature", "top_p", "top_k"), confidence_sampling(spec, cfg))),
-                  "refit": refit_report, **sampled}
+                  "refit": refit_report, "gate": gate_report, **sampled}
         write_json(join(out, "report.json"), report)
         save_confidence(join(out, "confidence.safetensors"), data)
         held = data.split()[1]
@@ -576,7 +638,7 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
             "confidence_sampling": report["confidence_sampling"],
             "heldout_tau_expected": tau_expected,
             "ece_before": [p["before"]["ece"] for p in pos], "ece_after": [p["after"]["ece"] for p in pos],
-            "ece_global": [p["global"]["ece"] for p in pos], "refit": refit_report, **sampled}
+            "ece_global": [p["global"]["ece"] for p in pos], "refit": refit_report, "gate": gate_report, **sampled}
         log.info("calibrate %s: %d blocks of %d/%d held-out samples, T=%s", name, data.num_blocks,
                  selection.samples_used, selection.samples_available, [round(t, 3) for t in report["temperatures"]])
     return summary

@@ -14,6 +14,7 @@ assistant turn.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -29,6 +30,8 @@ from pipeline.errors import PipelineError
 from pipeline.eval_report import write_bytes
 from storage import join, read_json
 from pipeline.paths import resolve_input
+
+log = logging.getLogger("pipeline.stages.evaluate")
 
 
 def prompt_sources(cfg: RunConfig) -> list[tuple[str, str, Any, int | None]]:
@@ -194,14 +197,39 @@ def _global_temperature(cfg: RunConfig, name: str) -> float | None:
         return None
 
 
+def gate_outcomes(cfg: RunConfig, name: str, head: str | None):
+    """Drafter ``name``'s gate rounds from its calibrate report (:func:`pipeline.stages.calibrate.gate_rounds`):
+    ``(outcomes, report)`` when calibrate wrote them with the head evaluate judges (digest ``head``), else
+    None (no report, no rounds, or a head since replaced: a warning says which)."""
+    from pipeline.inference.realised import load_outcomes
+    from pipeline.stages.calibrate import gate_rounds_url
+
+    try:
+        gate = read_json(join(cfg.run_dir, "calibrate", name, "report.json")).get("gate")
+    except FileNotFoundError:
+        return None
+    if not gate or "skipped" in gate:
+        return None
+    if gate.get("head") != head:
+        log.warning("evaluate %s: calibrate's gate rounds were scored by another confidence head (rerun "
+                    "+stage=calibrate); estimators fitted on held-out blocks instead", name)
+        return None
+    return load_outcomes(gate_rounds_url(cfg, name)), gate
+
+
 def realised_calibration(cfg: RunConfig, configs: dict[str, Any], decoded: dict, block_records: dict, sps,
-                         model_curves: dict[int, Any] | None = None) -> tuple[dict[str, Any], str]:
+                         model_curves: dict[int, Any] | None = None, heads: dict[str, str] | None = None
+                         ) -> tuple[dict[str, Any], str]:
     """Calibration on realised acceptance per drafter with a confidence head and temperature
-    (:mod:`pipeline.inference.realised`): estimators fitted on the block-level outcomes of even held-out
-    batches (without a block-level evaluation: on the decoding rounds of even prompts), reported on
-    the decoding rounds and on the odd batches; the scheduler simulation replays the decoding rounds,
-    on ``sps`` and on ``model_curves`` (``{block size: {R: SPSCurve}}``, the H200 model) when given.
-    One result per sampling setting; writes ``evaluate/reliability_<drafter>_T<setting>.png``.
+    (:mod:`pipeline.inference.realised`). The estimators are fitted, and the setting's adaptive policy
+    gated (:func:`pipeline.inference.realised.compare`), at the head's own setting on calibrate's gate
+    rounds (:func:`gate_outcomes`: on-policy rounds of other held-out prompts, the head's digest in
+    ``heads`` matching) and reported on the decoding rounds and on every held-out block; at the other
+    settings (or without gate rounds) fitted on the block-level outcomes of even held-out batches and
+    reported on the decoding rounds and the odd batches (without a block-level evaluation: fitted on
+    the decoding rounds of even prompts, reported on the odd ones). The scheduler simulation replays
+    the decoding rounds, on ``sps`` and on ``model_curves`` (``{block size: {R: SPSCurve}}``, the H200
+    model) when given. One result per sampling setting; writes ``evaluate/reliability_<drafter>_T<setting>.png``.
 
     Returns:
         ``({name: {"T=..": pipeline.inference.realised.compare result}}, markdown)``: the tables and, per drafter vLLM
@@ -217,22 +245,28 @@ def realised_calibration(cfg: RunConfig, configs: dict[str, Any], decoded: dict,
     for name, config in configs.items():
         if not config.confidence_head:
             continue
+        gate = gate_outcomes(cfg, name, (heads or {}).get(name))
         for T in evaluate_settings(cfg):
             key = f"T={T:g}"
             try:
                 decode = from_rounds(decoded[(key, name)])
             except ValueError:          # no round at all (every prompt stopped at once): nothing to score
                 continue
-            if (name, T) in block_records:
+            if gate is not None and gate[1]["sampling"] == T.to_dict() and gate[0].gamma == decode.gamma:
+                fit, fit_set = gate[0], f"on-policy gate rounds of {gate[1]['prompts']} calibrate prompts"
+                reports = {"decoding": decode}
+                if (name, T) in block_records:
+                    reports["block level"] = from_records(block_records[(name, T)])
+            elif (name, T) in block_records:
                 fit, odd = from_records(block_records[(name, T)]).split()
-                reports = {"decoding": decode, "block level, odd batches": odd}
+                fit_set, reports = "held-out blocks, even batches", {"decoding": decode, "block level, odd batches": odd}
             else:
                 fit, odd = decode.split()
-                reports = {"decoding, odd prompts": odd}
+                fit_set, reports = "decoding rounds, even prompts", {"decoding, odd prompts": odd}
             curves = None if model_curves is None else model_curves[config.block_size]
             cmp = compare(fit, reports, sps, concurrency=ev.concurrency, export_temperature=_global_temperature(cfg, name),
                           seed=ev.seed, n_bins=cfg.calibrate.bins, model_curves=curves,
-                          min_speedup=ev.scheduler_min_speedup)
+                          min_speedup=ev.scheduler_min_speedup, fit_set=fit_set)
             first = next(iter(reports.values()))
             plot_reliability(join(out_dir, f"reliability_{name}_T{T:g}.png"),
                              {e: conditional(p, first) for e, p in cmp["estimators"].items()}, first,
@@ -260,14 +294,15 @@ def evaluate_on_device(cfg: RunConfig) -> dict[str, Any]:
     the CPU, as before) with a tied ``lm_head`` held once (:func:`training.block_runner.eval_drafter`).
 
     Returns:
-        a picklable dict: ``configs`` ({name: DrafterConfig}), ``blocks`` (or None), ``block_records``,
+        a picklable dict: ``configs`` ({name: DrafterConfig}), ``blocks`` (or None), ``block_records``, ``heads``
+        ({name: :func:`pipeline.drafters.head_digest`} of the drafters with a confidence head),
         ``results``, ``thresholds``, ``records`` ({("T=..", name): [Decoded]}), ``sps`` (SPSCurve),
         ``prompts`` (count), ``tasks`` ({task: prompts}), ``skipped_prompts`` ({task: {reason: rows}}), ``device``.
     Raises:
         PipelineError: no usable evaluation prompt. As ``load_trained_drafter`` / ``load_target``.
     """
     from pipeline.config import torch_dtype
-    from pipeline.drafters import load_trained_drafter
+    from pipeline.drafters import head_digest, load_trained_drafter
     from pipeline.inference.sps import profile_sps
     from pipeline.inference.scheduler import SPSCurve
     from pipeline.stages.calibrate import task_device
@@ -324,6 +359,7 @@ def evaluate_on_device(cfg: RunConfig) -> dict[str, Any]:
             thresholds[name].append({"threshold": thr, "tau": m.get("tau"), "verified_per_round": m.get("verified_per_round")})
     sps = SPSCurve.load(ev.sps_table) if ev.sps_table else profile_sps(model)
     return {"configs": {n: d.config for n, d in drafters.items()}, "blocks": blocks, "block_records": block_records,
+            "heads": {n: head_digest(d) for n, d in drafters.items() if d.confidence_head is not None},
             "results": results, "thresholds": thresholds, "records": records, "sps": sps, "prompts": len(prompts),
             "tasks": {t: sum(1 for u, _ in prompts if u == t) for t in dict.fromkeys(t for t, _ in prompts)},
             "skipped_prompts": skipped, "device": str(model.device)}
@@ -374,7 +410,7 @@ def run_evaluate(cfg: RunConfig) -> dict[str, Any]:
     plot_acceptance(results, join(out_dir, "acceptance.png"), join(out_dir, "tau.png"))
     print(table, flush=True)
     realised, realised_md = realised_calibration(cfg, run["configs"], records, run["block_records"], sps,
-                                                 model_curves)
+                                                 model_curves, run["heads"])
     write_text(join(out_dir, "calibration_table.md"), realised_md)
     print(realised_md, flush=True)
     confidence = confidence_summary(cfg, run["configs"], realised, results, blocks)
@@ -415,7 +451,9 @@ def confidence_summary(cfg: RunConfig, configs: dict[str, Any], realised: dict[s
 
     Returns:
         ``{"drafter", "scored_on", "settings": [{"temperature", "top_p", "top_k", "shipped", "scored_on"
-        (the report set: ``"decoding"``, or ``"decoding, odd prompts"`` without a block-level evaluation),
+        (the report set: ``"decoding"``, or ``"decoding, odd prompts"`` without a block-level evaluation), "fitted_on"
+        (where the estimators were fitted and adaptive verification gated: calibrate's on-policy gate rounds at the
+        head's setting, else held-out blocks: :func:`realised_calibration`),
         "rounds", "estimators": {name: {"auc": [gamma], "ece": [gamma]}}, "scheduler": {"cpu": {R:
         ratio}, "h200_model": {R: ratio}}, "scheduler_production": {...} (two-step lag), "scheduler_algorithm1": {...} (DSpark
         Algorithm 1 without the fixed-block fallback), "scheduler_oracle": {...} (the bound: the best plan
@@ -443,7 +481,8 @@ def confidence_summary(cfg: RunConfig, configs: dict[str, Any], realised: dict[s
                   for e in cmp["estimators"]}
         overall = results[key]["drafters"][name]["overall"]
         block = (blocks or {}).get("drafters", {}).get(name, {}).get(T)
-        settings.append({**T.to_dict(), "shipped": shipped, "scored_on": scored_on, "rounds": decoding["blocks"],
+        settings.append({**T.to_dict(), "shipped": shipped, "scored_on": scored_on, "fitted_on": cmp.get("fit_set"),
+                         "rounds": decoding["blocks"],
                          "estimators": est,
                          "scheduler": by_est[shipped],
                          "scheduler_production": {c: {R: v["ratio_production"] for R, v in sim[shipped].items()}
