@@ -355,7 +355,7 @@ def test_a_preempted_train_node_resumes_with_identical_losses_and_weights(cluste
 
 EVALUATE = ["~evaluate.prompt_sets", "evaluate.num_prompts=4", "evaluate.max_new_tokens=24", "evaluate.block_samples=8",
             "evaluate.block_anchors=8", "evaluate.thresholds=[0.5]", "evaluate.concurrency=[1,4]", "evaluate.gpus=1",
-            "evaluate.cpus=1", "calibrate.refit_prompts=0"]
+            "evaluate.cpus=1", "calibrate.refit_prompts=0", "calibrate.gate_prompts=0"]
 
 
 TIMED = ("_ms_per_round", "tokens_per_s", "speedup_vs_target")  # measured speeds in the decoding-loop results

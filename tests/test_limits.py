@@ -133,7 +133,8 @@ def test_run_calibrate_feeds_the_drafter_only_the_capped_samples(tmp_path, monke
     monkeypatch.setattr(training.block_runner, "eval_drafter", lambda model, device, dtype=None: model)
     cfg = to_run_config({"run_dir": str(tmp_path / "run"), "train": {"drafters": {"dspark": {"confidence_calibration": "expected"}}, "heldout_shards": 2,
                                                                      "micro_batch_samples": 2},
-                         "calibrate": {"max_samples": 5, "bins": 4, "refit_prompts": 0}})  # no target here
+                         "calibrate": {"max_samples": 5, "bins": 4, "refit_prompts": 0,
+                                       "gate_prompts": 0}})  # no target here
     summary = cal.run_calibrate(cfg)
     assert seen == ["2/0", "2/1", "2/2", "2/3", "3/0"]
     assert reader.read == [(2, 0), (2, 1), (2, 2), (2, 3), (3, 0)]
