@@ -151,14 +151,9 @@ def calibrated_head_url(cfg: RunConfig, name: str) -> str:
 def save_calibrated_head(url: str, weight: torch.Tensor, bias: torch.Tensor, replaces: str) -> None:
     """Write a refitted head: ``proj.weight`` [1, D] and ``proj.bias`` [1] float32, with the
     :func:`head_digest` of the trained head it replaces in the metadata (``replaces``)."""
-    from safetensors.torch import save
+    from storage import write_tensors
 
-    from storage import filesystem
-
-    fs, path = filesystem(url)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    fs.pipe_file(path, save({"proj.weight": weight.float().contiguous(), "proj.bias": bias.float().contiguous()},
-                            metadata={"replaces": replaces}))
+    write_tensors(url, {"proj.weight": weight.float(), "proj.bias": bias.float()}, metadata={"replaces": replaces})
 
 
 def apply_calibrated_head(model, url: str) -> bool:

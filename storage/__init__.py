@@ -162,3 +162,22 @@ def read_json(url: str) -> Any:
     fs, path = filesystem(url)
     with fs.open(path, "r") as f:
         return json.load(f)
+
+
+def write_tensors(url: str, tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` (name -> torch.Tensor, any dtype and shape) as one safetensors file at ``url``
+    in one PUT, creating parent folders; ``metadata``: string pairs in its header."""
+    from safetensors.torch import save
+
+    fs, path = filesystem(url)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
+
+
+def read_tensors(url: str) -> dict[str, Any]:
+    """The tensors of the safetensors file at ``url`` (name -> torch.Tensor on the CPU). Raises
+    FileNotFoundError if absent."""
+    from safetensors.torch import load
+
+    fs, path = filesystem(url)
+    return load(fs.cat_file(path))

@@ -103,24 +103,17 @@ def from_records(rec: dict[str, list[torch.Tensor]]) -> Outcomes:
 
 
 def save_outcomes(url: str, data: Outcomes) -> None:
-    """Write ``data``'s tensors to a safetensors file at ``url`` (fsspec)."""
-    from safetensors.torch import save
+    """Write ``data``'s tensors (:class:`Outcomes`: shapes and dtypes kept) to a safetensors file at ``url``."""
+    from storage import write_tensors
 
-    from storage import filesystem
-
-    fs, path = filesystem(url)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    fs.pipe_file(path, save({f: getattr(data, f).contiguous() for f in ("z", "max_q", "accepted", "verified", "group")}))
+    write_tensors(url, {f: getattr(data, f) for f in ("z", "max_q", "accepted", "verified", "group")})
 
 
 def load_outcomes(url: str) -> Outcomes:
     """What :func:`save_outcomes` wrote. Raises FileNotFoundError if absent."""
-    from safetensors.torch import load
+    from storage import read_tensors
 
-    from storage import filesystem
-
-    fs, path = filesystem(url)
-    t = load(fs.cat_file(path))
+    t = read_tensors(url)
     return Outcomes(t["z"], t["max_q"], t["accepted"], t["verified"], t["group"])
 
 

@@ -56,7 +56,7 @@ import torch
 
 from pipeline.config import RunConfig, confidence_sampling
 from pipeline.errors import ConfigError, PipelineError
-from storage import filesystem, join, read_json, write_json
+from storage import filesystem, join, read_json, read_tensors, write_json, write_tensors
 
 log = logging.getLogger("pipeline.stages.calibrate")
 
@@ -284,22 +284,15 @@ def calibrate_drafter(data: ConfidenceSet, *, n_bins: int, grid_step: float, lab
 
 def save_confidence(url: str, data: ConfidenceSet) -> None:
     """Write ``z``, ``y``, ``valid`` (uint8) and ``batch`` (if known) to a safetensors file at ``url``."""
-    from safetensors.torch import save
-
-    fs, path = filesystem(url)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    tensors = {"z": data.z.contiguous(), "y": data.y.contiguous(), "valid": data.valid.to(torch.uint8).contiguous()}
+    tensors = {"z": data.z, "y": data.y, "valid": data.valid.to(torch.uint8)}
     if data.batch is not None:
-        tensors["batch"] = data.batch.contiguous()
-    fs.pipe_file(path, save(tensors))
+        tensors["batch"] = data.batch
+    write_tensors(url, tensors)
 
 
 def load_confidence(url: str) -> ConfidenceSet:
     """Read what :func:`save_confidence` wrote. Raises FileNotFoundError if absent."""
-    from safetensors.torch import load
-
-    fs, path = filesystem(url)
-    t = load(fs.cat_file(path))
+    t = read_tensors(url)
     return ConfidenceSet(t["z"], t["y"], t["valid"].bool(), t.get("batch"))
 
 
@@ -402,7 +395,13 @@ def decode_prompts(target, tap, stop: set[int], drafter, prompts: Sequence[Seque
                    max_new_tokens: int, seed: int, keep_confidence_inputs: bool = False) -> list:
     """The drafter's own decoding of ``prompts`` (:func:`pipeline.inference.speculate.speculative_decode` at
     ``sampling``, every block verified; one generator on the target's device seeded ``seed``, prompts in
-    order): a pure function of (weights, prompts, setting, seed). Returns one ``Decoded`` per prompt."""
+    order): a pure function of (weights, prompts, setting, seed).
+
+    Returns:
+        one ``pipeline.inference.speculate.Decoded`` per prompt (its rounds with the confidence head's
+        inputs [gamma, D] when ``keep_confidence_inputs``). Raises nothing of its own (``sampling`` is
+        validated where it is built: :class:`training.spec_sampling.Sampling`).
+    """
     from pipeline.inference.speculate import device_generator, speculative_decode
 
     gen = device_generator(target.device, seed)
@@ -454,7 +453,7 @@ def gate_rounds(cfg: RunConfig, model, target, tap, stop: set[int], prompts: Seq
         ``(outcomes, report)``: a :class:`pipeline.inference.realised.Outcomes` (group = prompt index) and
         ``{"prompts", "rounds", "full_blocks", "sampling" ({temperature, top_p, top_k}), "head"
         (:func:`pipeline.drafters.head_digest` of the head that scored them), "seconds"}``; without a
-        prompt or a round: ``(None, {"skipped": reason, "prompts"})``.
+        prompt or a round: ``(None, {"skipped": reason, "prompts"})`` (no error raised for either).
     """
     from pipeline.drafters import head_digest
     from pipeline.inference.realised import from_rounds

@@ -197,10 +197,17 @@ def _global_temperature(cfg: RunConfig, name: str) -> float | None:
         return None
 
 
-def gate_outcomes(cfg: RunConfig, name: str, head: str | None):
-    """Drafter ``name``'s gate rounds from its calibrate report (:func:`pipeline.stages.calibrate.gate_rounds`):
-    ``(outcomes, report)`` when calibrate wrote them with the head evaluate judges (digest ``head``), else
-    None (no report, no rounds, or a head since replaced: a warning says which)."""
+def gate_outcomes(cfg: RunConfig, name: str, head: str | None) -> tuple[Any, dict[str, Any]] | None:
+    """Drafter ``name``'s gate rounds from its calibrate report (:func:`pipeline.stages.calibrate.gate_rounds`).
+
+    Returns:
+        ``(outcomes, report)`` (a :class:`pipeline.inference.realised.Outcomes`, z and max_q [N, gamma]
+        float64, and the report's ``gate`` entry) when calibrate wrote them with the head evaluate judges
+        (its :func:`pipeline.drafters.head_digest` equal to ``head``); None without a calibrate report,
+        with the rounds skipped, or with a head since replaced (a warning says so).
+    Raises:
+        FileNotFoundError: the report names gate rounds whose file is gone (rerun +stage=calibrate).
+    """
     from pipeline.inference.realised import load_outcomes
     from pipeline.stages.calibrate import gate_rounds_url
 
