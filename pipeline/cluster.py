@@ -9,6 +9,7 @@ another run's private instance is never joined by accident, and ``ray.num_cpus``
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -54,11 +55,11 @@ def ray_address(cfg: RayConfig) -> Optional[str]:
     return found
 
 
-def init_ray(cfg: RayConfig) -> None:
+def init_ray(cfg: RayConfig, *, watch_object_store: bool = False) -> None:
     """Join the cluster :func:`ray_address` names, else start a private local instance with
     ``cfg.num_cpus`` CPUs and a ``cfg.object_store_memory``-byte object store. Idempotent for the
-    connection; every call (each stage makes one at its start) restarts the object-store window that
-    :func:`object_store_figures` reports. Credentials are never shipped: a local instance's workers
+    connection; with ``watch_object_store`` (the cache stage) the call restarts the object-store
+    window that :func:`object_store_figures` reports. Credentials are never shipped: a local instance's workers
     inherit this process's environment, and cluster nodes use their own (AWS_* variables, IAM roles).
 
     Raises:
@@ -84,9 +85,10 @@ def init_ray(cfg: RayConfig) -> None:
                                    include_dashboard=False,
                                    runtime_env={"worker_process_setup_hook": "pipeline.cluster.quiet_ray_workers"})
             record_local_instance()
-    from ray._private.internal_api import get_state_from_address
+    if watch_object_store:
+        from ray._private.internal_api import get_state_from_address
 
-    OBJECT_STORE_WATCH.restart(get_state_from_address(ray.get_runtime_context().gcs_address))
+        OBJECT_STORE_WATCH.restart(get_state_from_address(ray.get_runtime_context().gcs_address))
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
@@ -147,7 +149,14 @@ class ObjectStoreWatch:
     """Samples :func:`object_store_stats` every ``interval_s`` seconds in a daemon thread, from
     :meth:`restart` until :meth:`figures`. The peak is the largest sampled use (a lower bound of the
     true peak, which may fall between two samples); spilled and restored bytes are the differences
-    between the window's last and first samples (exact). On a shared cluster they include other jobs'."""
+    between the window's last and first samples (exact). On a shared cluster they include other jobs'.
+
+    The thread must stop before Ray shuts down: a node-table call in flight when the GCS connection
+    closes fails a ``RAY_CHECK`` in Ray's C++ client and aborts the whole process (SIGABRT, which no
+    ``except`` catches). :meth:`restart` therefore registers :meth:`_halt` with ``atexit`` (after
+    Ray's own hook, so it runs first), and :meth:`figures` halts it too."""
+
+    KEYS = tuple(f"object_store_{k}_bytes" for k in ("capacity", "peak", "spilled", "restored", "fallback_peak"))
 
     def __init__(self, interval_s: float = 0.5):
         self.interval_s = interval_s
@@ -158,10 +167,14 @@ class ObjectStoreWatch:
         self._last: Optional[dict[str, int]] = None
         self._peak = self._fallback_peak = 0
         self._state = None
+        self._halt_at_exit = False
 
     def restart(self, state) -> None:
         """Start a new window (stopping the running one) on the cluster of ``state`` (a ``GlobalState``)."""
         self._halt()
+        if not self._halt_at_exit:  # registered after ``import ray`` registered ray.shutdown: runs before it
+            atexit.register(self._halt)
+            self._halt_at_exit = True
         self._state = state
         self._first, self._last, self._peak, self._fallback_peak = None, None, 0, 0
         self._try_sample()
@@ -175,17 +188,16 @@ class ObjectStoreWatch:
         ``object_store_fallback_peak_bytes`` (objects put in the disk fallback because the store was
         full); all None when no window was started (Ray never initialised by this process) or no
         sample succeeded."""
-        keys = ("capacity", "peak", "spilled", "restored", "fallback_peak")
         if self._state is not None:
             self._halt()
             self._try_sample()
         with self._lock:
             first, last = self._first, self._last
             if last is None:
-                return {f"object_store_{k}_bytes": None for k in keys}
+                return dict.fromkeys(self.KEYS)
             vals = (last["capacity"], self._peak, last["spilled"] - first["spilled"],
                     last["restored"] - first["restored"], self._fallback_peak)
-        return {f"object_store_{k}_bytes": v for k, v in zip(keys, vals)}
+        return dict(zip(self.KEYS, vals))
 
     def _sample(self) -> None:
         stats = object_store_stats(self._state)
@@ -213,11 +225,11 @@ class ObjectStoreWatch:
 
 
 OBJECT_STORE_WATCH = ObjectStoreWatch()
-"""The object-store window of this driver, restarted by every :func:`init_ray` call."""
+"""The object-store window of this driver, restarted by :func:`init_ray` with ``watch_object_store``."""
 
 
 def object_store_figures() -> dict[str, Optional[int]]:
-    """The object store's figures since this process's latest :func:`init_ray` call (see
+    """The object store's figures since this process's latest :func:`init_ray` call that watched it (see
     :meth:`ObjectStoreWatch.figures`); the cache stage adds them to its summary."""
     return OBJECT_STORE_WATCH.figures()
 
@@ -234,7 +246,6 @@ def record_local_instance(records: Path = LOCAL_RECORDS) -> Path:
     """Record the local Ray instance this driver just started (its GCS, raylet, agents and workers:
     every descendant process now), removed again at a clean exit. A driver killed with SIGKILL
     leaves its record behind, and :func:`reap_orphaned_instances` stops what outlived it."""
-    import atexit
 
     import psutil
 

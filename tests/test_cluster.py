@@ -148,6 +148,40 @@ def test_object_store_window_reports_peak_and_the_bytes_spilled_within_it(monkey
                                "object_store_fallback_peak_bytes": 4}
 
 
+def test_object_store_watch_stops_before_rays_exit_hook_and_only_the_cache_stage_starts_it(monkeypatch):
+    """A node-table call in flight when Ray's exit hook closes the GCS connection aborts the driver
+    (RAY_CHECK, SIGABRT: CI lost a rehearsal's generate stage to it after "done"). The watch's thread
+    is stopped by an exit hook that runs before every hook registered earlier (Ray's among them), and
+    a stage that reports no object-store figures starts no thread at all."""
+    script = (
+        "import atexit, threading, time\n"
+        "from pipeline import cluster\n"
+        "cluster.object_store_stats = lambda state: dict(used=1, capacity=2, spilled=0, restored=0, fallback=0)\n"
+        "alive = lambda: any(t.name == 'object-store-watch' for t in threading.enumerate())\n"
+        "atexit.register(lambda: print('at ray.shutdown: watch alive', alive(), flush=True))  # like ray's hook\n"
+        "cluster.OBJECT_STORE_WATCH.interval_s = 0.01\n"
+        "cluster.OBJECT_STORE_WATCH.restart(state='gcs')\n"
+        "time.sleep(0.05)\n"
+        "print('before exit: watch alive', alive(), flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["before exit: watch alive True", "at ray.shutdown: watch alive False"]
+
+    import ray
+
+    import pipeline.cluster as cluster
+
+    restarts = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="127.0.0.1:1"))
+    monkeypatch.setattr("ray._private.internal_api.get_state_from_address", lambda address: address)
+    monkeypatch.setattr(cluster, "OBJECT_STORE_WATCH", SimpleNamespace(restart=restarts.append))
+    cluster.init_ray(RayConfig())  # generate, train, calibrate, evaluate
+    assert restarts == []
+    cluster.init_ray(RayConfig(), watch_object_store=True)  # cache
+    assert restarts == ["127.0.0.1:1"]
+
+
 def test_a_private_instance_whose_start_timed_out_is_stopped_and_started_again(monkeypatch):
     """Ray's 30 s raylet registration runs out on a busy machine (several runs starting at once): the
     processes of the failed try are stopped and the start is tried again."""

@@ -340,7 +340,7 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
     import ray
     from transformers import AutoConfig
 
-    from pipeline.cluster import init_ray, object_store_figures
+    from pipeline.cluster import ObjectStoreWatch, init_ray, object_store_figures
     from pipeline.target_model.loader import resolve_target_path
 
     local_dir = resolve_target_path(cfg.target.path)
@@ -356,38 +356,42 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
     run = {"shards_planned": len(shards), "shards_already_committed": len(done & {i for i, _ in shards}),
            "shards_written": 0, "estimate_bytes": 0, "prefill_tokens_per_s": None,
            "steady_tokens_per_s": None, "faults": None}
+    store = dict.fromkeys(ObjectStoreWatch.KEYS)  # all None: nothing to write, no window
     if todo:
-        init_ray(cfg.ray)
-        items = [span_item(i, s) for i, s in todo]
-        rendered = ray.data.from_items(items).map(
-            lambda it: render_shard(item_span(it), it["shard"], cfg, local_dir)).materialize()
-        counts = rendered.select_columns(["num_samples", "num_tokens", "num_supervised", "num_hidden_rows"]).take_all()
-        tokens = sum(c["num_tokens"] for c in counts)
-        est = estimate_cache_bytes(tokens, hidden_size=fp.hidden_size, num_target_layers=len(fp.target_layer_ids),
-                                   feature_dtype=fp.feature_dtype, num_samples=sum(c["num_samples"] for c in counts),
-                                   supervised_fraction=sum(c["num_hidden_rows"] for c in counts) / max(tokens, 1))
-        total = est.total_bytes + len(todo) * shard_overhead_bytes(
-            hidden_size=fp.hidden_size, target_layer_ids=fp.target_layer_ids, feature_dtype=fp.feature_dtype,
-            storage=storage)
-        run["estimate_bytes"] = total
-        print(f"cache: {len(todo)} shards, {tokens:,} tokens to prefill; estimated "
-              f"{total / 2**20:,.1f} MiB at {est.bytes_per_token:,.0f} bytes/token of arrays", flush=True)
-        budget = cfg.cache.storage_budget_bytes
-        if budget is not None and total > budget:
-            raise StorageBudgetError(
-                f"the cache needs about {total:,} bytes, above cache.storage_budget_bytes="
-                f"{budget:,}; raise the budget, use cache.feature_dtype=fp8_e4m3, or cache fewer rows "
-                "(cache.max_rows)")
-        pool = run_actor_pool(rendered, ShardPrefillWriter, (cfg, root_url, fp, storage),
-                              workers=cfg.cache.num_workers, gpus=cfg.cache.gpus_per_worker or None, desc="cache",
-                              unit="tok", total=tokens, advance="num_tokens",
-                              postfix=lambda t: {"MiB": f"{t.get('bytes', 0) / 2**20:.1f}"},
-                              cpus=cfg.cache.cpus_per_worker, concurrent_calls=CONCURRENT_SHARDS)
-        run["shards_written"] = len(pool.metas)
-        run["faults"] = pool.faults
-        n_tok, busy = pool.totals.get("num_tokens", 0), pool.totals.get("busy_seconds", 0.0)
-        run["prefill_tokens_per_s"] = round(n_tok / max(pool.seconds, 1e-9), 1)
-        run["steady_tokens_per_s"] = round(n_tok * cfg.cache.num_workers / max(busy, 1e-9), 1)
+        init_ray(cfg.ray, watch_object_store=True)
+        try:
+            items = [span_item(i, s) for i, s in todo]
+            rendered = ray.data.from_items(items).map(
+                lambda it: render_shard(item_span(it), it["shard"], cfg, local_dir)).materialize()
+            counts = rendered.select_columns(["num_samples", "num_tokens", "num_supervised", "num_hidden_rows"]).take_all()
+            tokens = sum(c["num_tokens"] for c in counts)
+            est = estimate_cache_bytes(tokens, hidden_size=fp.hidden_size, num_target_layers=len(fp.target_layer_ids),
+                                       feature_dtype=fp.feature_dtype, num_samples=sum(c["num_samples"] for c in counts),
+                                       supervised_fraction=sum(c["num_hidden_rows"] for c in counts) / max(tokens, 1))
+            total = est.total_bytes + len(todo) * shard_overhead_bytes(
+                hidden_size=fp.hidden_size, target_layer_ids=fp.target_layer_ids, feature_dtype=fp.feature_dtype,
+                storage=storage)
+            run["estimate_bytes"] = total
+            print(f"cache: {len(todo)} shards, {tokens:,} tokens to prefill; estimated "
+                  f"{total / 2**20:,.1f} MiB at {est.bytes_per_token:,.0f} bytes/token of arrays", flush=True)
+            budget = cfg.cache.storage_budget_bytes
+            if budget is not None and total > budget:
+                raise StorageBudgetError(
+                    f"the cache needs about {total:,} bytes, above cache.storage_budget_bytes="
+                    f"{budget:,}; raise the budget, use cache.feature_dtype=fp8_e4m3, or cache fewer rows "
+                    "(cache.max_rows)")
+            pool = run_actor_pool(rendered, ShardPrefillWriter, (cfg, root_url, fp, storage),
+                                  workers=cfg.cache.num_workers, gpus=cfg.cache.gpus_per_worker or None, desc="cache",
+                                  unit="tok", total=tokens, advance="num_tokens",
+                                  postfix=lambda t: {"MiB": f"{t.get('bytes', 0) / 2**20:.1f}"},
+                                  cpus=cfg.cache.cpus_per_worker, concurrent_calls=CONCURRENT_SHARDS)
+            run["shards_written"] = len(pool.metas)
+            run["faults"] = pool.faults
+            n_tok, busy = pool.totals.get("num_tokens", 0), pool.totals.get("busy_seconds", 0.0)
+            run["prefill_tokens_per_s"] = round(n_tok / max(pool.seconds, 1e-9), 1)
+            run["steady_tokens_per_s"] = round(n_tok * cfg.cache.num_workers / max(busy, 1e-9), 1)
+        finally:  # the watch stops before Ray does (ObjectStoreWatch), also when a shard fails
+            store = object_store_figures()
     totals = cache_totals(root_url)
     skipped = ", ".join(f"{k} {v}" for k, v in totals["skipped_rows"].items()) or "none"
     print(f"cache: {totals['samples']:,} samples in {totals['shards']} shards; skipped rows: {skipped}"
@@ -395,7 +399,7 @@ def run_cache(cfg: RunConfig) -> dict[str, Any]:
     if totals["samples"] == 0:
         log.warning("cache: no usable sample in %s: every input row was skipped; check data.train_files "
                     "(formats: OpenAI messages, ShareGPT conversations)", ", ".join(input_files(cfg)) or "no input")
-    return {**run, **totals, **object_store_figures()}
+    return {**run, **totals, **store}
 
 
 def cache_totals(root_url: str) -> dict[str, Any]:
