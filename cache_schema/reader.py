@@ -211,6 +211,20 @@ class CacheReader:
                 raise self._vanished(shard_index, exc) from exc
             yield torch.from_numpy(np.asarray(ids)), torch.from_numpy(np.asarray(mask))
 
+    def sample_tokens(self, shards: Iterable[int] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(input_ids [T] int32, loss_mask [T] uint8)`` of each sample of the given committed shards
+        (default: all), in :meth:`iter_samples`' order: :meth:`token_arrays` cut at each shard's
+        offsets, so no feature array is read (a prompt costs bytes, not the sample's ~30 KB per token).
+
+        Raises:
+            ShardNotCommittedError, MissingObjectError: as :meth:`sample`.
+        """
+        shards = list(self.shards if shards is None else shards)
+        for shard_index, (ids, mask) in zip(shards, self.token_arrays(shards)):
+            offsets = self._shard(shard_index).offsets
+            for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+                yield ids[a:b], mask[a:b]
+
     def verify_shard(self, shard_index: int) -> None:
         """Full check of one committed shard: object presence and sizes, then every array's content
         checksum (reads the whole shard).

@@ -160,7 +160,8 @@ class ObjectStoreWatch:
 
     def __init__(self, interval_s: float = 0.5):
         self.interval_s = interval_s
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()       # the samples
+        self._control = threading.RLock()  # the window: restart, figures and halt from any thread
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._first: Optional[dict[str, int]] = None
@@ -171,26 +172,31 @@ class ObjectStoreWatch:
 
     def restart(self, state) -> None:
         """Start a new window (stopping the running one) on the cluster of ``state`` (a ``GlobalState``)."""
-        self._halt()
-        if not self._halt_at_exit:  # registered after ``import ray`` registered ray.shutdown: runs before it
-            atexit.register(self._halt)
-            self._halt_at_exit = True
-        self._state = state
-        self._first, self._last, self._peak, self._fallback_peak = None, None, 0, 0
-        self._try_sample()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="object-store-watch", daemon=True)
-        self._thread.start()
+        with self._control:
+            self._halt()
+            if not self._halt_at_exit:  # registered after ``import ray`` registered ray.shutdown: runs before it
+                atexit.register(self._halt)
+                self._halt_at_exit = True
+            self._state = state
+            with self._lock:
+                self._first, self._last, self._peak, self._fallback_peak = None, None, 0, 0
+            self._try_sample()
+            self._stop = threading.Event()  # the new thread's own: a later window never revives an old thread
+            self._thread = threading.Thread(target=self._run, args=(self._stop,), name="object-store-watch", daemon=True)
+            self._thread.start()
 
     def figures(self) -> dict[str, Optional[int]]:
-        """End the window: ``object_store_capacity_bytes``, ``object_store_peak_bytes``,
+        """End the window (its last sample taken now; no Ray call after this until the next
+        :meth:`restart`): ``object_store_capacity_bytes``, ``object_store_peak_bytes``,
         ``object_store_spilled_bytes``, ``object_store_restored_bytes`` and
         ``object_store_fallback_peak_bytes`` (objects put in the disk fallback because the store was
         full); all None when no window was started (Ray never initialised by this process) or no
         sample succeeded."""
-        if self._state is not None:
-            self._halt()
-            self._try_sample()
+        with self._control:
+            if self._state is not None:
+                self._halt()
+                self._try_sample()
+                self._state = None
         with self._lock:
             first, last = self._first, self._last
             if last is None:
@@ -210,18 +216,19 @@ class ObjectStoreWatch:
     def _try_sample(self) -> None:
         try:
             self._sample()
-        except Exception as e:  # Ray shutting down, or the raylet busy: the window keeps its samples
+        except Exception as e:  # the raylet busy or a node lost: the window keeps its samples
             log.debug("object-store watch: %s", e)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.interval_s):
             self._try_sample()
 
     def _halt(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
+        with self._control:
+            if self._thread is not None:
+                self._stop.set()
+                self._thread.join()
+                self._thread = None
 
 
 OBJECT_STORE_WATCH = ObjectStoreWatch()

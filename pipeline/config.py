@@ -332,7 +332,8 @@ class CalibrateConfig:
     gpus: float = 0
     cpus: float = 1
     # on-policy refit of the confidence head (training.confidence_refit) before STS: the drafter decodes
-    # the prompts of the first refit_prompts held-out samples with the target, at the head's
+    # the prompts of refit_prompts held-out samples with the target (past the STS and block-level samples
+    # when the held-out shards hold enough: pipeline.stages.calibrate.prompt_start), at the head's
     # confidence_temperature setting, and the head is refitted on the realised acceptance of its own
     # drafts; adopted only if it ranks held-out prompts' slots better (AUC) than the trained head. 0 = off
     refit_prompts: int = 64

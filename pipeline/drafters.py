@@ -132,13 +132,18 @@ def load_trained_drafter(cfg: RunConfig, name: str, target_dir: str, *, calibrat
     return model
 
 
-def head_digest(model) -> str:
-    """SHA-256 (hex) of the confidence head's parameters as float32 bytes (``proj.weight`` then
-    ``proj.bias``): which trained head a refitted one replaces."""
+def head_digest(head) -> str:
+    """SHA-256 (hex) of a confidence head's parameters as float32 bytes (``proj.weight`` then
+    ``proj.bias``): which trained head a refitted one replaces, which head scored calibrate's gate rounds.
+    ``head``: a drafter (its ``confidence_head.proj``) or a ``(weight [1, D], bias [1])`` pair. Take it
+    on the float32 weights a checkpoint or a refit holds, before :func:`training.block_runner.eval_drafter`
+    casts a drafter to the target's dtype on a GPU: the digest names the head, whatever dtype or device a
+    stage then runs it in (a bf16 copy's digest differs)."""
     import hashlib
 
+    weight, bias = (head.confidence_head.proj.weight, head.confidence_head.proj.bias) if hasattr(head, "confidence_head") else head
     h = hashlib.sha256()
-    for t in (model.confidence_head.proj.weight, model.confidence_head.proj.bias):
+    for t in (weight, bias):
         h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 

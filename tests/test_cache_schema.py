@@ -86,6 +86,10 @@ def test_bf16_round_trip_is_bit_exact(root_url):
     [(ids, mask)] = list(reader.token_arrays([4]))  # whole shard, no features read
     assert torch.equal(ids, torch.cat([s.input_ids for s in shards[4]])) and ids.dtype == torch.int32
     assert torch.equal(mask, torch.cat([s.loss_mask for s in shards[4]])) and mask.dtype == torch.uint8
+    tokens = list(reader.sample_tokens([4, 0]))  # per sample, in the order asked, no features read
+    assert [len(ids) for ids, _ in tokens] == [25, 9, 7, 30, 12]
+    for (ids, mask), want in zip(tokens, shards[4] + shards[0]):
+        assert torch.equal(ids, want.input_ids) and torch.equal(mask, want.loss_mask)
     with pytest.raises(IndexError):
         reader.sample(5)
     reader.verify_shard(0)

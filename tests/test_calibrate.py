@@ -134,6 +134,36 @@ def test_calibrate_drafter_recovers_known_temperatures():
         assert p["after"]["ece"] < 0.01 < p["before"]["ece"] and p["global"]["ece"] < 0.01
 
 
+def test_refit_and_gate_prompts_come_after_the_sts_and_block_level_samples_when_there_are_enough():
+    """The refit and gate prompts are conversations neither STS (``calibrate.max_samples``) nor the
+    block-level evaluation (``evaluate.block_samples``, the first held-out samples too) reads, when the
+    held-out shards hold them; else the first ones (the tiny default: 128 held-out samples for all)."""
+    from types import SimpleNamespace
+
+    from pipeline.stages.calibrate import HeldoutSelection, prompt_start, sample_prompts
+
+    def cfg(refit, gate, blocks):
+        return SimpleNamespace(calibrate=SimpleNamespace(refit_prompts=refit, gate_prompts=gate),
+                               evaluate=SimpleNamespace(block_samples=blocks))
+
+    recipe = HeldoutSelection(shards=(30, 31), samples_used=256, samples_available=2048)  # Qwen3-4B: 16 x 128
+    assert prompt_start(cfg(128, 128, 256), recipe) == 256
+    assert prompt_start(cfg(128, 128, 1024), recipe) == 1024
+    assert prompt_start(cfg(1024, 1024, 256), recipe) == 0          # 1,792 left past them: too few
+    tiny = HeldoutSelection(shards=(22, 23), samples_used=128, samples_available=128)
+    assert prompt_start(cfg(64, 64, 128), tiny) == 0
+
+    class Reader:  # CacheReader.sample_tokens of two shards: (input_ids, loss_mask) per sample
+        def sample_tokens(self, shards):
+            assert list(shards) == [7, 8]
+            for i in range(6):  # sample 3 has no supervised token
+                mask = torch.zeros(5 + i, dtype=torch.uint8)
+                mask[2 + i % 2:] = i != 3
+                yield torch.arange(100 * i, 100 * i + 5 + i, dtype=torch.int32), mask
+    assert sample_prompts(Reader(), [7, 8], 2, 3) == [[200, 201], [400, 401], [500, 501, 502]]
+    assert sample_prompts(Reader(), [7, 8], 0, 1) == [[0, 1]]
+
+
 def test_confidence_set_round_trip():
     data = ConfidenceSet(torch.randn(5, 3), torch.rand(5, 3), torch.tensor([[1, 1, 0]] * 5, dtype=torch.bool))
     save_confidence("memory://cal/confidence.safetensors", data)
@@ -142,7 +172,7 @@ def test_confidence_set_round_trip():
 
 
 @pytest.mark.integration
-def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, tiny_target_dir):
+def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, tiny_target_dir, monkeypatch):
     from chatgen import write_chats
     from test_train import _cfg
 
@@ -215,3 +245,24 @@ def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, t
         fold = e["folded_temperature"] if e["confidence"] == "folded" else 1.0
         key = next(k for k in shipped if k.endswith("proj.weight") and "confidence" in k)
         torch.testing.assert_close(shipped[key].float() * fold, head["proj.weight"], rtol=1e-2, atol=1e-3)
+
+    # On a GPU calibrate runs the drafter cast to the target's dtype (bf16; forced here on the CPU) and,
+    # here, adopts its refit. The digests tying the refitted head to its checkpoint and the gate rounds to
+    # their head are of the float32 weights, the ones export and evaluate compare: a digest of the bf16
+    # copy made export raise StaleStageOutputError and evaluate drop the gate rounds, whatever the rerun.
+    import dataclasses
+
+    import training.block_runner as block_runner
+    import training.confidence_refit as confidence_refit
+    from pipeline.stages.evaluate import gate_outcomes
+
+    cast, fit = block_runner.eval_drafter, confidence_refit.fit_logistic_head
+    monkeypatch.setattr(block_runner, "eval_drafter", lambda model, device, dtype=None: cast(model, device, torch.bfloat16))
+    monkeypatch.setattr(confidence_refit, "fit_logistic_head",
+                        lambda *a: dataclasses.replace(fit(*a), heldout_auc={"refit": 1.0, "trained": 0.5}))
+    s = run_calibrate(cfg)["drafters"]["dspark"]
+    assert s["refit"]["adopted"] and s["gate"]["prompts"] == 8
+    served = load_trained_drafter(cfg, "dspark", cfg.target.path, calibrated=True)
+    assert served.confidence_head.proj.weight.dtype == torch.float32
+    assert gate_outcomes(cfg, "dspark", head_digest(served))[1] == s["gate"]
+    assert run_export(cfg)["drafters"]["dspark"]["architecture"] == "Qwen3DSparkModel"

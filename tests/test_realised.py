@@ -105,5 +105,10 @@ def test_gate_rounds_are_used_only_with_the_head_that_scored_them(tmp_path, capl
     with caplog.at_level("WARNING"):
         assert gate_outcomes(cfg, "dspark", "def") is None
     assert "another confidence head" in caplog.text
+    (tmp_path / "calibrate" / "dspark" / "gate_rounds.safetensors").unlink()  # a report naming rounds that are gone
+    from pipeline.errors import MissingStageOutputError
+
+    with pytest.raises(MissingStageOutputError, match="gate_rounds.safetensors.*rerun \\+stage=calibrate"):
+        gate_outcomes(cfg, "dspark", "abc")
     write_json(str(tmp_path / "calibrate" / "dspark" / "report.json"), {"gate": {"skipped": "no prompt", "prompts": 0}})
     assert gate_outcomes(cfg, "dspark", "abc") is None

@@ -368,21 +368,34 @@ def run_task(cfg: RunConfig, fn, *args, gpus: float, cpus: float, name: str) -> 
     return result, task_faults([read_json(join(url, f.rsplit("/", 1)[-1])) for f in fs.ls(path, detail=False)])
 
 
-def sample_prompts(reader, selection: HeldoutSelection, count: int) -> list[list[int]]:
-    """The prompts of the first ``count`` selected held-out samples: each sample's ``input_ids`` up to
-    its first supervised token (the rendered conversation before the first assistant answer, with the
-    generation prompt), samples with no supervised token skipped.
+def prompt_start(cfg: RunConfig, selection: HeldoutSelection) -> int:
+    """Index of the first held-out sample whose prompt the refit and the gate rounds take: the first
+    sample past both calibrate's STS samples (``selection.samples_used``) and evaluate's block-level
+    samples (``evaluate.block_samples``, the first of the same held-out shards) when the held-out
+    shards hold ``calibrate.refit_prompts + calibrate.gate_prompts`` more, so that no conversation is
+    both fitted on and reported on; else 0, the same conversations reused (the tiny default holds 128
+    held-out samples and uses all of them in both; the Qwen3-4B recipe reads 256 of ~2,048)."""
+    after = max(selection.samples_used, cfg.evaluate.block_samples)
+    need = cfg.calibrate.refit_prompts + cfg.calibrate.gate_prompts
+    return after if selection.samples_available - after >= need else 0
+
+
+def sample_prompts(reader, heldout: Sequence[int], start: int, count: int) -> list[list[int]]:
+    """The prompts of ``count`` held-out samples from sample ``start`` of the ``heldout`` shards (in
+    stored order): each sample's ``input_ids`` up to its first supervised token (the rendered
+    conversation before the first assistant answer, with the generation prompt), samples with no
+    supervised token skipped. Reads token arrays only (``CacheReader.sample_tokens``).
 
     Raises:
-        ShardNotCommittedError, MissingObjectError: as ``CacheReader.iter_samples``.
+        ShardNotCommittedError, MissingObjectError: as ``CacheReader.sample_tokens``.
     """
     out = []
-    for sample in itertools.islice(reader.iter_samples(selection.shards), selection.samples_used):
+    for ids, mask in itertools.islice(reader.sample_tokens(heldout), start, None):
         if len(out) == count:
             break
-        first = torch.as_tensor(sample.loss_mask).nonzero()
+        first = torch.as_tensor(mask).nonzero()
         if first.numel() and int(first[0, 0]) > 0:
-            out.append(torch.as_tensor(sample.input_ids)[: int(first[0, 0])].tolist())
+            out.append(ids[: int(first[0, 0])].tolist())
     return out
 
 
@@ -441,21 +454,23 @@ def onpolicy_rounds(target, tap, stop: set[int], drafter, prompts: Sequence[Sequ
     return tuple(torch.cat(t) for t in (xs, ys, gs, zs))
 
 
-def gate_rounds(cfg: RunConfig, model, target, tap, stop: set[int], prompts: Sequence[Sequence[int]], sampling
-                ) -> tuple[Any, dict[str, Any]]:
+def gate_rounds(cfg: RunConfig, model, target, tap, stop: set[int], prompts: Sequence[Sequence[int]], sampling,
+                head: str) -> tuple[Any, dict[str, Any]]:
     """The gate rounds: ``model`` (with the head calibrate keeps) decodes ``prompts`` at ``sampling`` (the
     head's serving setting; ``calibrate.refit_max_new_tokens`` each, seed ``train.seed + 1``), every block
-    verified. These on-policy rounds, of prompts neither the refit nor the evaluate stage uses, are where
+    verified. These on-policy rounds, of prompts the refit does not use (nor, where the held-out shards
+    hold enough, STS or evaluate's block level: :func:`prompt_start`; evaluate decodes prompts of other
+    files), are where
     evaluate fits its estimators at that setting and decides at which concurrency adaptive verification
     runs (:func:`pipeline.inference.realised.compare`): teacher-forced blocks misjudge both (docs/confidence.md).
 
     Returns:
         ``(outcomes, report)``: a :class:`pipeline.inference.realised.Outcomes` (group = prompt index) and
         ``{"prompts", "rounds", "full_blocks", "sampling" ({temperature, top_p, top_k}), "head"
-        (:func:`pipeline.drafters.head_digest` of the head that scored them), "seconds"}``; without a
+        (``head``: the :func:`pipeline.drafters.head_digest` of the float32 head ``model`` carries, taken
+        by the caller before the device cast), "seconds"}``; without a
         prompt or a round: ``(None, {"skipped": reason, "prompts"})`` (no error raised for either).
     """
-    from pipeline.drafters import head_digest
     from pipeline.inference.realised import from_rounds
 
     if not prompts:
@@ -469,11 +484,11 @@ def gate_rounds(cfg: RunConfig, model, target, tap, stop: set[int], prompts: Seq
     except ValueError as e:
         return None, {"skipped": str(e), "prompts": len(prompts)}
     return data, {"prompts": len(prompts), "rounds": data.num_blocks, "full_blocks": data.full().num_blocks,
-                  "sampling": sampling.to_dict(), "head": head_digest(model), "seconds": time.perf_counter() - t0}
+                  "sampling": sampling.to_dict(), "head": head, "seconds": time.perf_counter() - t0}
 
 
 def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], prompts: Sequence[Sequence[int]],
-                          sampling) -> dict[str, Any]:
+                          sampling, replaces: str) -> dict[str, Any]:
     """The on-policy refit of ``model``'s confidence head (:mod:`training.confidence_refit`): its own
     decoding rounds on ``prompts`` at ``sampling`` (the head's serving setting), the logistic fit, and the
     new head put into ``model`` when it ranks the odd prompts' slots better than the trained head
@@ -482,14 +497,14 @@ def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], pr
     Returns:
         ``{"adopted", "seconds" (decoding and fit), "prompts", "slots" (reached slots fitted), "accepted_slots", "l2", "heldout_auc": {"refit",
         "trained"}, "heldout_logloss": {...}, "weight" [1, D] float32, "bias" [1] float32, "replaces"}``
-        (the fitted head, adopted or not; ``replaces`` the trained head's :func:`pipeline.drafters.head_digest`).
+        (the fitted head, adopted or not; ``replaces`` as given: the trained head's
+        :func:`pipeline.drafters.head_digest` on the checkpoint's float32 weights, which export and evaluate compare).
         Too few rounds to fit (no round, fewer than 2 prompts on a side, one class only): ``{"adopted": False,
         "skipped": reason, "seconds", "prompts"}``, the trained head kept.
     """
-    from pipeline.drafters import head_digest
     from training.confidence_refit import fit_logistic_head
 
-    replaces, t0 = head_digest(model), time.perf_counter()
+    t0 = time.perf_counter()
     try:
         x, y, group, z = onpolicy_rounds(target, tap, stop, model, prompts, sampling=sampling,
                                          max_new_tokens=cfg.calibrate.refit_max_new_tokens, seed=cfg.train.seed)
@@ -508,20 +523,20 @@ def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], pr
             "weight": fit.weight, "bias": fit.bias, "replaces": replaces}
 
 
-def collect_all(cfg: RunConfig, names: Sequence[str], selection: HeldoutSelection
+def collect_all(cfg: RunConfig, names: Sequence[str], selection: HeldoutSelection, heldout: Sequence[int]
                 ) -> dict[str, tuple[ConfidenceSet, float, dict | None, tuple | None]]:
     """``{name: (ConfidenceSet, tau_expected, refit, gate)}`` for each drafter in ``names``: first the on-policy
-    refit of its head (:func:`refit_confidence_head` on the prompts of the first ``calibrate.refit_prompts``
-    selected held-out samples; ``refit`` None when that is 0), then, with the head it keeps, the gate
-    rounds on the prompts of the next ``calibrate.gate_prompts`` samples (:func:`gate_rounds`; ``gate`` None
-    when that is 0), and the
+    refit of its head (:func:`refit_confidence_head` on the prompts of ``calibrate.refit_prompts`` samples of
+    the ``heldout`` shards from :func:`prompt_start`; ``refit`` None when that is 0), then, with the head it
+    keeps, the gate rounds on the prompts of the next ``calibrate.gate_prompts`` samples (:func:`gate_rounds`;
+    ``gate`` None when that is 0), and the
     :class:`ConfidenceSet` over the ``selection`` of held-out samples on the labels its
     ``confidence_calibration`` names (:func:`realised_confidence` or :func:`collect_confidence`) and its
     held-out ``tau_expected`` at T = 1 (``1 + sum_j prod_{i<=j} c*_i``, block mean). Each drafter runs on
     :func:`task_device` in the target's dtype on a GPU (float32 on the CPU, as trained there): the
     body of calibrate's task."""
     from cache_schema import CacheReader
-    from pipeline.drafters import load_trained_drafter
+    from pipeline.drafters import head_digest, load_trained_drafter
     from pipeline.stages.cache import cache_url
     from pipeline.stages.train import expected_fingerprint
     from pipeline.config import torch_dtype
@@ -543,15 +558,18 @@ def collect_all(cfg: RunConfig, names: Sequence[str], selection: HeldoutSelectio
 
         target, tok, _ = load_target(cfg.target, device)
         tap, stop = LayerTap(target, cfg.target.target_layer_ids), stop_ids(target, tok)
-        prompts = sample_prompts(reader, selection, n_refit + cfg.calibrate.gate_prompts)
+        prompts = sample_prompts(reader, heldout, prompt_start(cfg, selection), n_refit + cfg.calibrate.gate_prompts)
     out = {}
     for name in names:
-        model = eval_drafter(load_trained_drafter(cfg, name, target_dir), device, dtype)
+        model = load_trained_drafter(cfg, name, target_dir)
+        trained = None if target is None else head_digest(model)  # float32, before the cast to the target's dtype on a GPU
+        model = eval_drafter(model, device, dtype)
         sampling = Sampling(*confidence_sampling(cfg.train.drafters[name], cfg))  # the run config's, not the record's
         refit = None if target is None or not n_refit else refit_confidence_head(cfg, model, target, tap, stop,
-                                                                                 prompts[:n_refit], sampling)
+                                                                                 prompts[:n_refit], sampling, trained)
+        kept = head_digest((refit["weight"], refit["bias"])) if refit and refit["adopted"] else trained
         gate = None if target is None or not cfg.calibrate.gate_prompts else gate_rounds(
-            cfg, model, target, tap, stop, prompts[n_refit:], sampling)
+            cfg, model, target, tap, stop, prompts[n_refit:], sampling, kept)
         batches = heldout_batches(reader, selection, cfg.train.micro_batch_samples)
         if cfg.train.drafters[name].confidence_calibration == "realised":
             data, tau = realised_confidence(model, batches, sampling=sampling,
@@ -597,7 +615,7 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
     sampled = {"samples_used": selection.samples_used, "samples_available": selection.samples_available}
     summary: dict[str, Any] = {"heldout_shards": list(split.heldout), **sampled, "drafters": {}}
     names = [n for n, spec in cfg.train.drafters.items() if spec.confidence_head]
-    sets, summary["faults"] = run_task(cfg, collect_all, cfg, names, selection, gpus=cfg.calibrate.gpus,
+    sets, summary["faults"] = run_task(cfg, collect_all, cfg, names, selection, split.heldout, gpus=cfg.calibrate.gpus,
                                        cpus=cfg.calibrate.cpus, name="calibrate") if names else ({}, None)
     for name, spec in cfg.train.drafters.items():
         if not spec.confidence_head:
@@ -607,23 +625,21 @@ def run_calibrate(cfg: RunConfig) -> dict[str, Any]:
         label = spec.confidence_calibration
         out = join(cfg.run_dir, "calibrate", name)
         head_url = calibrated_head_url(cfg, name)
-        fs, head_path = filesystem(head_url)
-        for stale in (head_path, filesystem(gate_rounds_url(cfg, name))[1]):
-            if fs.exists(stale):  # an earlier calibrate's head or gate rounds: never left beside a report without them
-                fs.rm(stale)
-        refit_report = None
-        if refit is not None:
-            refit_report = {k: v for k, v in refit.items() if k not in ("weight", "bias", "replaces")}
-            if refit.get("adopted"):
-                save_calibrated_head(head_url, refit["weight"], refit["bias"], refit["replaces"])
-        gate_report = None
-        if gate is not None:
-            outcomes, gate_report = gate
-            if outcomes is not None:
-                save_outcomes(gate_rounds_url(cfg, name), outcomes)
+        refit_report = None if refit is None else {k: v for k, v in refit.items() if k not in ("weight", "bias", "replaces")}
+        outcomes, gate_report = (None, None) if gate is None else gate
         report = {**calibrate_drafter(data, n_bins=cfg.calibrate.bins, grid_step=cfg.calibrate.grid_step, label=label),
                   "confidence_sampling": dict(zip(("temperature", "top_p", "top_k"), confidence_sampling(spec, cfg))),
                   "refit": refit_report, "gate": gate_report, **sampled}
+        # An earlier calibrate's report, head and gate rounds go first and the report comes last: a failure
+        # in between leaves no report naming files of another run (evaluate and export read the report).
+        fs = filesystem(head_url)[0]
+        for stale in (join(out, "report.json"), head_url, gate_rounds_url(cfg, name)):
+            if fs.exists(filesystem(stale)[1]):
+                fs.rm(filesystem(stale)[1])
+        if refit is not None and refit.get("adopted"):
+            save_calibrated_head(head_url, refit["weight"], refit["bias"], refit["replaces"])
+        if outcomes is not None:
+            save_outcomes(gate_rounds_url(cfg, name), outcomes)
         write_json(join(out, "report.json"), report)
         save_confidence(join(out, "confidence.safetensors"), data)
         held = data.split()[1]

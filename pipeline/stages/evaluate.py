@@ -26,7 +26,7 @@ from pipeline.config import RunConfig, evaluate_settings
 from pipeline.chats.render import render_options, render_prompt, thinking_mode
 from pipeline.inference.speculate import (Decoded, device_generator, plain_decode, speculative_decode,
                                           threshold_policy)
-from pipeline.errors import PipelineError
+from pipeline.errors import MissingStageOutputError, PipelineError
 from pipeline.eval_report import write_bytes
 from storage import join, read_json
 from pipeline.paths import resolve_input
@@ -206,7 +206,8 @@ def gate_outcomes(cfg: RunConfig, name: str, head: str | None) -> tuple[Any, dic
         (its :func:`pipeline.drafters.head_digest` equal to ``head``); None without a calibrate report,
         with the rounds skipped, or with a head since replaced (a warning says so).
     Raises:
-        FileNotFoundError: the report names gate rounds whose file is gone (rerun +stage=calibrate).
+        MissingStageOutputError (a FileNotFoundError): the report names gate rounds whose file is gone
+            (rerun +stage=calibrate).
     """
     from pipeline.inference.realised import load_outcomes
     from pipeline.stages.calibrate import gate_rounds_url
@@ -221,7 +222,12 @@ def gate_outcomes(cfg: RunConfig, name: str, head: str | None) -> tuple[Any, dic
         log.warning("evaluate %s: calibrate's gate rounds were scored by another confidence head (rerun "
                     "+stage=calibrate); estimators fitted on held-out blocks instead", name)
         return None
-    return load_outcomes(gate_rounds_url(cfg, name)), gate
+    url = gate_rounds_url(cfg, name)
+    try:
+        return load_outcomes(url), gate
+    except FileNotFoundError as e:
+        raise MissingStageOutputError(f"{url}: calibrate's report names gate rounds that are not there (removed, or "
+                                      "written by an interrupted run): rerun +stage=calibrate") from e
 
 
 def realised_calibration(cfg: RunConfig, configs: dict[str, Any], decoded: dict, block_records: dict, sps,
@@ -321,7 +327,9 @@ def evaluate_on_device(cfg: RunConfig) -> dict[str, Any]:
     device = task_device()
     dtype = torch_dtype(cfg.target.dtype) if device != "cpu" else None
     target_dir = resolve_target_path(cfg.target.path)  # drafters first: a config they refuse costs nothing
-    drafters = {n: eval_drafter(load_trained_drafter(cfg, n, target_dir, calibrated=True), device, dtype) for n in cfg.train.drafters}
+    drafters = {n: load_trained_drafter(cfg, n, target_dir, calibrated=True) for n in cfg.train.drafters}
+    heads = {n: head_digest(d) for n, d in drafters.items() if d.confidence_head is not None}  # float32, before the cast
+    drafters = {n: eval_drafter(d, device, dtype) for n, d in drafters.items()}
     model, tok, target_dir = load_target(cfg.target, device)
     skipped: dict[str, dict[str, int]] = {}
     prompts = eval_prompts(cfg, tok, skipped)
@@ -366,7 +374,7 @@ def evaluate_on_device(cfg: RunConfig) -> dict[str, Any]:
             thresholds[name].append({"threshold": thr, "tau": m.get("tau"), "verified_per_round": m.get("verified_per_round")})
     sps = SPSCurve.load(ev.sps_table) if ev.sps_table else profile_sps(model)
     return {"configs": {n: d.config for n, d in drafters.items()}, "blocks": blocks, "block_records": block_records,
-            "heads": {n: head_digest(d) for n, d in drafters.items() if d.confidence_head is not None},
+            "heads": heads,
             "results": results, "thresholds": thresholds, "records": records, "sps": sps, "prompts": len(prompts),
             "tasks": {t: sum(1 for u, _ in prompts if u == t) for t in dict.fromkeys(t for t, _ in prompts)},
             "skipped_prompts": skipped, "device": str(model.device)}
