@@ -13,9 +13,12 @@ Sections (a failing one records its error, the others still run; exit 1 if any f
               refused on CUDA): loss and gradients to bf16 tolerance; dry: forward only (no CPU flex backward).
   prefill     random target through TargetPrefill vs a bare model(...) forward: tokens/s, ratio, MFU (GPU; peak
               roofline.H200); one shard through CacheRoot.write_shard: bytes/token vs estimate_cache_bytes.
-  block_eval  block_runner.evaluate_blocks on a few prefilled blocks, T = 0 and 1 (on the CPU: it has no
-              device hand-off, as in the evaluate stage).
-  speculate   one round of speculate.speculative_decode on the device, at the shape's vocabulary.
+  block_eval  block_runner.evaluate_blocks on a few prefilled blocks, T = 0 and 1, with the drafter as the
+              evaluate stage prepares it (block_runner.eval_drafter: on the device, bf16 on a GPU).
+  speculate   one round of speculate.speculative_decode on the device (the drafter from eval_drafter), at the
+              shape's vocabulary.
+  sps         inference.sps.profile_sps on the target (the evaluate stage's SPS curve when no
+              evaluate.sps_table is given): steps/s at B = 1..512 tokens per step.
 
 Nothing imported here loads Ray or vLLM ("ray_imported" / "vllm_imported" in the JSON; --block-ray makes their
 import fail). On a GPU machine with only torch and transformers, carry in these wheels (pip download with
@@ -351,27 +354,36 @@ def sec_prefill(S: Shape, ctx: dict) -> dict:
 
 
 def drafter_on_target(S: Shape, ctx: dict):
-    """A drafter sharing the random target's embedding / lm_head, fp32 on the CPU (built once)."""
+    """A drafter sharing the random target's embedding / lm_head, fp32 on the CPU (built once); attention
+    ``auto``, the recipe's: flex once :func:`eval_copy` puts it on a GPU, sdpa on the CPU."""
     if "drafter" in ctx:
         return ctx["drafter"]
     model = get_target(S, ctx)
     embed = model.get_input_embeddings().weight.detach().float().cpu()
     lm = embed if S.tcfg.tie_word_embeddings else model.get_output_embeddings().weight.detach().float().cpu()
-    ctx["drafter"] = make_drafter(S, embed, lm, attention="sdpa", device="cpu").eval()
+    ctx["drafter"] = make_drafter(S, embed, lm, attention="auto", device="cpu").eval()
     return ctx["drafter"]
+
+
+def eval_copy(S: Shape, ctx: dict):
+    """The drafter as calibrate and evaluate run it (``block_runner.eval_drafter``: on the device, in the
+    target's dtype on a GPU, the RoPE frequencies kept float32), a copy of the CPU one."""
+    from training.block_runner import eval_drafter
+
+    return eval_drafter(copy.deepcopy(drafter_on_target(S, ctx)), S.device, S.dtype if S.gpu else None)
 
 
 def sec_block_eval(S: Shape, ctx: dict) -> dict:
     from training.block_eval import summarise
     from training.block_runner import evaluate_blocks
 
-    drafter = drafter_on_target(S, ctx)
+    drafter = eval_copy(S, ctx)
     samples = ctx.get("samples") or random_samples(S, 2, S.T, seed=4)
     t0 = time.perf_counter()
     tally = evaluate_blocks({"dspark": drafter}, [samples[:2]], temperatures=[0.0, 1.0], num_anchors=S.eval_anchors)
     seconds = time.perf_counter() - t0
     summ = summarise(tally)["drafters"]["dspark"]
-    out = {"device": "cpu", "samples": len(samples[:2]), "num_anchors": S.eval_anchors, "eval_s": seconds,
+    out = {"device": str(S.device), "samples": len(samples[:2]), "num_anchors": S.eval_anchors, "eval_s": seconds,
            "vocab": S.tcfg.vocab_size, "by_temperature": {str(t): {k: v[k] for k in ("n", "tau", "tau_expected")}
                                                          for t, v in summ.items()}}
     if not all(v["n"] > 0 and v["tau"] >= 1 for v in out["by_temperature"].values()):
@@ -384,8 +396,7 @@ def sec_speculate(S: Shape, ctx: dict) -> dict:
     from pipeline.target_model.prefill import LayerTap
 
     model = get_target(S, ctx)
-    drafter = drafter_on_target(S, ctx)
-    drafter = cast_params(copy.deepcopy(drafter), S.dtype).to(S.device) if S.gpu else drafter
+    drafter = eval_copy(S, ctx)
     tap = ctx.get("tap") or LayerTap(model, S.ids)
     samples = ctx.get("samples") or random_samples(S, 1, S.T, seed=5)
     prompt = samples[0]["input_ids"][: S.prompt_len].tolist()
@@ -400,8 +411,17 @@ def sec_speculate(S: Shape, ctx: dict) -> dict:
             "emitted": len(dec.tokens), "seconds": dec.seconds, "confidence_logits": r.confidence_logits}
 
 
+def sec_sps(S: Shape, ctx: dict) -> dict:
+    from pipeline.inference.sps import profile_sps
+
+    batch = (1, 4, 16, 64, 256, 512) if S.gpu else (1, 4, 16)
+    curve = profile_sps(get_target(S, ctx), batch, context=128, repeats=3)
+    return {"batch_tokens": list(curve.batch_tokens), "steps_per_s": [float(v) for v in curve.steps_per_s],
+            "tokens_per_s": [float(b * v) for b, v in zip(curve.batch_tokens, curve.steps_per_s)]}
+
+
 SECTIONS = {"train": sec_train, "attention": sec_attention, "prefill": sec_prefill, "block_eval": sec_block_eval,
-            "speculate": sec_speculate}
+            "speculate": sec_speculate, "sps": sec_sps}
 
 
 def clean(obj):

@@ -12,7 +12,7 @@ import pytest
 from cache_schema import estimate_cache_bytes, shard_overhead_bytes
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = {"train", "attention", "prefill", "block_eval", "speculate"}
+SECTIONS = {"train", "attention", "prefill", "block_eval", "speculate", "sps"}
 
 
 def _positive(x) -> bool:
@@ -59,3 +59,6 @@ def test_gpu_check_dry_runs_every_section_without_ray(tmp_path):
     spec = sections["speculate"]
     assert spec["vocab"] == shape["vocab"] and spec["gamma"] == shape["block"]
     assert 0 <= spec["accepted"] <= spec["verified"] <= spec["gamma"] and spec["emitted"] == 2
+
+    sps = sections["sps"]
+    assert sps["batch_tokens"] == [1, 4, 16] and all(_positive(v) for v in sps["steps_per_s"] + sps["tokens_per_s"])

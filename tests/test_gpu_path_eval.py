@@ -112,19 +112,42 @@ def test_eval_drafter_holds_a_tied_lm_head_once_in_the_models_dtype_on_its_devic
         model = bench.random_drafter(V_SMALL, **kw)
         head = model.target_lm_head_weight
         assert head is not model.embed_tokens.weight and torch.equal(head, model.embed_tokens.weight)
+        rope = {n: b.clone() for n, b in model.named_buffers() if n.endswith("inv_freq")}
         out = eval_drafter(model, "cpu", torch.bfloat16)
+        # the RoPE frequencies stay float32, as the bf16 engine trained them and vLLM serves them
+        assert rope and all(torch.equal(model.get_buffer(n), b) for n, b in rope.items()), kind
         assert out is model and not model.training
         assert model.target_lm_head_weight is model.embed_tokens.weight, kind  # one copy, not two
         assert model.embed_tokens.weight.dtype == model.fc.weight.dtype == torch.bfloat16
         sizes = {p.data_ptr() for p in model.parameters() if p.shape == (V_SMALL, 64)}
         assert len(sizes) == 1, kind
         eval_drafter(model, torch.device("meta"))
-        assert {p.device.type for p in model.parameters()} == {"meta"}
+        assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"meta"}
     untied = bench.random_drafter(V_SMALL)
     with torch.no_grad():
         untied.lm_head.weight[0, 0] += 1
     eval_drafter(untied, "cpu")
     assert untied.lm_head.weight is not untied.embed_tokens.weight  # different values are kept apart
+
+
+def test_block_level_draft_logits_of_a_bf16_drafter_sum_their_terms_in_float32():
+    """The block-level q adds the Markov bias to the backbone's logits in float32, as training
+    (``losses._draft_logits``) and the decoding loop (``heads.sample_sequential``) do: a bf16 sum
+    would round once more (up to 0.06 of a logit at |z| ~ 20) and tie more argmaxes at T = 0."""
+    from types import SimpleNamespace
+
+    import training.block_runner as br
+
+    model = br.eval_drafter(bench.random_drafter(V_SMALL), "cpu", torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    slots = SimpleNamespace(hidden=(torch.randn(5, 64, generator=g) * 30).bfloat16(),
+                            bias_features=(torch.randn(5, 8, generator=g) * 30).bfloat16(),
+                            target_hidden=torch.randn(5, 64, generator=g).bfloat16())
+    with torch.no_grad():
+        model.markov_head.markov_w2.weight.normal_(0, 1, generator=g)
+    q, _ = br.slot_logits(model, slots, torch.arange(5))
+    want = (slots.hidden @ model.lm_head.weight.t()).float() + (slots.bias_features @ model.markov_head.markov_w2.weight.t()).float()
+    assert q.dtype == torch.float32 and torch.equal(q, want)
 
 
 def test_block_evaluation_runs_a_bf16_drafter_without_a_float32_lm_head_copy(monkeypatch):
@@ -262,3 +285,33 @@ def test_stage_tasks_ask_ray_for_the_configured_gpus(monkeypatch, tmp_path):
     real = load_config(str(Path(__file__).resolve().parents[1] / "conf" / "qwen3_4b.yaml"), [])
     assert real.calibrate.gpus == real.evaluate.gpus == 1
     assert RunConfig().calibrate.gpus == RunConfig().evaluate.gpus == 0  # CPU configs run in the driver, as before
+
+
+def test_the_target_gets_its_kv_cache_under_the_keyword_its_forward_takes(tiny_qwen3):
+    """transformers 5.20 (the GPU set) takes the KV cache as ``past_key_values``, 5.24 (the CPU set) as
+    ``cache``; under the other name the model ignores it and builds its own, so the caller's stays
+    empty (``profile_sps``'s ``cache.crop`` then raised on the GPU set). The SPS profile and the
+    decoding loop's target both pass it under the name ``forward`` takes."""
+    from pipeline.inference.sps import profile_sps
+    from pipeline.inference.speculate import Target, cache_keyword
+
+    class GpuSetSignature(torch.nn.Module):  # transformers 5.20's keyword, over the tiny target
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.config = model, model.config
+
+        @property
+        def device(self):
+            return self.model.device
+
+        def forward(self, input_ids, past_key_values=None, use_cache=True, logits_to_keep=0):
+            return self.model(input_ids=input_ids, cache=past_key_values, use_cache=use_cache,
+                              logits_to_keep=logits_to_keep)
+
+    old = GpuSetSignature(tiny_qwen3)
+    assert cache_keyword(old) == "past_key_values" and cache_keyword(tiny_qwen3) == "cache"
+    curve = profile_sps(old, (1, 4), context=16, repeats=1)
+    assert list(curve.batch_tokens) == [1, 4] and (curve.steps_per_s > 0).all()
+    target = Target(old)
+    target.forward([1, 2, 3])
+    assert target.cache.get_seq_length() == 3

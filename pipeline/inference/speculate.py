@@ -72,20 +72,25 @@ class Decoded:
     seconds: float = 0.0
 
 
+def cache_keyword(model) -> str:
+    """The keyword ``model.forward`` takes its KV cache by: ``cache`` in transformers 5.24 (the CPU
+    set), ``past_key_values`` before (5.20, the GPU set that vLLM 0.33 admits). Passed under the other
+    name, the cache is ignored (the model builds its own) and a caller's cache stays empty."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class Target:
     """The frozen target with a KV cache and a tap on its layers (one sequence)."""
 
     def __init__(self, model, tap: LayerTap | None = None):
-        import inspect
-
         from transformers import DynamicCache
 
         self.model, self.tap = model, tap
         self.cache = DynamicCache(config=model.config)
         self.length = 0
-        # the KV cache's keyword: ``cache`` in transformers 5.24 (the CPU set), ``past_key_values`` before
-        # (5.20, the GPU set that vLLM 0.33 admits)
-        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_kw = cache_keyword(model)
 
     @torch.inference_mode()
     def forward(self, ids: Sequence[int], last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,6 +166,8 @@ def speculative_decode(model, drafter, prompt: Sequence[int], *, tap: LayerTap,
     while anchor not in stop_ids and len(out) < max_new_tokens:
         t0 = time.perf_counter()
         draft = drafter.draft_block(ctx, anchor, temperature, generator)
+        if draft.tokens.is_cuda:  # the kernels launched, not done: without the wait the draft's GPU time is verify_s
+            torch.cuda.synchronize(draft.tokens.device)
         t1 = time.perf_counter()
         gamma = len(draft.tokens)
         n_verify = policy(draft.confidence_logits, gamma)

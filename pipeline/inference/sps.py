@@ -27,19 +27,21 @@ def profile_sps(model, batch_tokens: Sequence[int] = DEFAULT_BATCH_TOKENS, *, co
     """
     from transformers import DynamicCache
 
-    dev = model.device
+    from pipeline.inference.speculate import cache_keyword
+
+    dev, kw = model.device, cache_keyword(model)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, context), generator=gen).to(dev)
     cache = DynamicCache(config=model.config)
-    model(input_ids=prefix, cache=cache, use_cache=True)
+    model(input_ids=prefix, use_cache=True, **{kw: cache})
     sps = []
     for b in batch_tokens:
         x = torch.randint(0, vocab, (1, b), generator=gen).to(dev)
         times = []
         for _ in range(repeats + 1):  # the first run warms up
             t0 = time.perf_counter()
-            model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=b)
+            model(input_ids=x, use_cache=True, logits_to_keep=b, **{kw: cache})
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
