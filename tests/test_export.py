@@ -71,9 +71,10 @@ def test_dspark_export_names_shapes_dtypes_and_config(tiny_target_dir, tmp_path)
     assert cfg["sample_from_anchor"] is True and cfg["tie_word_embeddings"] is False
     assert cfg["confidence_temperatures"] == [1.0, 1.5, 2.0, 0.8] and cfg["confidence_temperature_folded"] is None
     assert "quantization_config" not in cfg and "layer_types" not in cfg
-    # SpecForge reads the DSpark keys from dflash_config, with projector_type
+    # SpecForge reads the DSpark keys from dflash_config, with projector_type; sample_from_anchor stays out
+    # of it: vLLM's DFlash speculator, which its DSpark one extends, refuses it there at engine start
     assert cfg["dflash_config"] == {
-        "mask_token_id": 5, "target_layer_ids": [0, 2], "sample_from_anchor": True, "markov_rank": 8,
+        "mask_token_id": 5, "target_layer_ids": [0, 2], "markov_rank": 8,
         "enable_confidence_head": True, "confidence_head_with_markov": True, "block_size": 4,
         "projector_type": "dspark", "attention_mode": "gqa"}
     assert info["num_speculative_tokens"] == 4 and info["block_size"] == 4   # [anchor, mask x 3]: 4 drafts

@@ -12,8 +12,9 @@ Two formats (``export.format``), same tensors, same drafter:
   in ``dflash_config`` (SpecForge reads them there, with ``projector_type: "dspark"`` and its
   ``attention_mode``, ``gqa`` or ``mha``):
   ``target_layer_ids``, ``mask_token_id``, ``markov_rank``, ``enable_confidence_head``,
-  ``confidence_head_with_markov``, ``sample_from_anchor``; top level only: ``confidence_temperatures``
-  (STS, one per position). Both layouts: ``enable_thinking``, the thinking mode the drafter was
+  ``confidence_head_with_markov``; top level only: ``sample_from_anchor`` (vLLM's DFlash speculator,
+  which its DSpark one extends, refuses ``dflash_config.sample_from_anchor: true``) and
+  ``confidence_temperatures`` (STS, one per position). Both layouts: ``enable_thinking``, the thinking mode the drafter was
   trained for (``data.render.enable_thinking``; null: the template's default), which serving
   requests should use (``chat_template_kwargs``).
 - ``speculators``: the vllm-project/speculators 0.9 native format (``speculators_model_type``
@@ -178,7 +179,11 @@ def native_config(model, target_config: Mapping[str, Any], temperatures: Sequenc
                  confidence_head_with_markov=has_conf, block_size=c.slots)
     cfg.update(block)
     gqa = int(cfg["num_key_value_heads"]) < int(cfg["num_attention_heads"])
-    cfg["dflash_config"] = dict(block, projector_type="dspark", attention_mode="gqa" if gqa else "mha")
+    # SpecForge reads the DSpark keys from dflash_config; sample_from_anchor stays top-level only: vLLM's
+    # DSpark speculator inherits the DFlash one, which refuses dflash_config.sample_from_anchor = true at
+    # engine start (DFlash's anchor is the bonus token), and reads DSpark's from the top level
+    mirror = {k: v for k, v in block.items() if k != "sample_from_anchor"}
+    cfg["dflash_config"] = dict(mirror, projector_type="dspark", attention_mode="gqa" if gqa else "mha")
     cfg.update(_confidence_keys(model, temperatures, folded))
     return cfg
 

@@ -9,7 +9,8 @@ files) -> skip committed shards -> an actor pool of generators (HF ``generate`` 
 one shard per call: the actor regenerates the shard's chats, writes the shard in input order, its
 error file, then its commit record last (only if absent), and returns metadata only. Sampling is
 seeded per request from (seed, source, row, turn) and HF batches are fixed by input order, so a
-killed run, rerun, ends with the rows (and text) of an uninterrupted one: none duplicated or lost.
+killed run, rerun, ends with the rows (and, on the CPU, the text; see
+:mod:`pipeline.target_model.engines` for vLLM on a GPU) of an uninterrupted one: none duplicated or lost.
 
 Engine calls: vLLM schedules continuously within one ``generate`` call (``generate.max_num_seqs``
 requests at a time), so it gets each round's prompts of the whole shard in one call and the GPU
@@ -284,7 +285,7 @@ def generate_bisecting(engine: GenerationEngine, prompts: Sequence[Sequence[int]
     per prompt, in order: the engine is called on the whole list; if it raises, on each half,
     recursively, so that k bad prompts among n cost at most ``1 + 2 k log2(n)`` calls and only the
     prompts that fail on their own are lost (the failed calls' other prompts are generated again by
-    the halves; a seeded request's text does not depend on its call).
+    the halves; a seeded request's draws do not depend on its call).
 
     Raises:
         GenerationEngineError: more than one prompt and every one failed on its own (a broken engine).

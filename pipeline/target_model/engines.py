@@ -10,8 +10,11 @@ Both stop at the target's end-of-turn / eos tokens, decode the new tokens up to 
 stop token with special tokens skipped, and report ``finish_reason`` ``"stop"`` (a stop token was
 sampled) or ``"length"`` (``max_new_tokens`` reached first).
 
-Seeds: every prompt carries its own seed. vLLM seeds each request with it, so its text does not
-depend on batching. Batched HF sampling draws from one RNG stream per batch, so the batch is seeded
+Seeds: every prompt carries its own seed. vLLM seeds each request with it, so its sampling draws do
+not depend on batching; on a GPU its bf16 attention kernels still split work by the batch's shape
+unless ``VLLM_BATCH_INVARIANT=1`` is set in the actors' environment (slower kernels), so a rerun's
+text may differ in a token where two candidates were near-tied (each shard commits whole either way:
+no row is duplicated or lost). Batched HF sampling draws from one RNG stream per batch, so the batch is seeded
 by a hash of its prompts' seeds: its text depends on the batch composition, which callers fix by
 input order (what makes a rerun reproduce the same text on the same machine).
 """
