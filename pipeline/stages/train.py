@@ -267,8 +267,11 @@ def run_train(cfg: RunConfig) -> dict[str, Any]:
                 "faults": fault_summary(read_json(attempts_url))}
 
     todo = [n for n, r in results.items() if r is None]
-    with ThreadPoolExecutor(max_workers=cfg.train.concurrent_drafters) as pool:  # each fit() blocks its thread
-        for name, result in zip(todo, pool.map(fit, todo)):
+    # one at a time in this (main) thread, where Ray Train's Ctrl-C handler aborts a run gracefully;
+    # concurrently, each fit() blocking a thread of its own
+    serial = cfg.train.concurrent_drafters == 1 or len(todo) <= 1
+    with ThreadPoolExecutor(max_workers=1 if serial else cfg.train.concurrent_drafters) as pool:
+        for name, result in zip(todo, map(fit, todo) if serial else pool.map(fit, todo)):
             results[name] = {**result, **({"pretrained": pretrained[name]} if name in pretrained else {})}
     if mode == "hybrid":
         from pipeline.stages.cache import cache_totals
