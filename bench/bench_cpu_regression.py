@@ -7,13 +7,15 @@ Each tree runs in its own process (``PYTHONPATH=<tree>``, this venv, one torch t
 own evaluate stage's pieces on the CPU:
 
 - block level: ``pipeline.stages.evaluate.block_level`` (the stage's held-out blocks, anchors and
-  temperatures); the per-block tau (tokens per block incl. the bonus) is taken from the tally that
+  sampling settings); the per-block tau (tokens per block incl. the bonus) is taken from the tally that
   ``training.block_runner.evaluate_blocks`` returns;
 - decoding loop: ``speculative_decode`` of every drafter on ``evaluate.num_prompts`` held-out prompts at
-  each temperature, from one generator per (drafter, temperature) seeded ``evaluate.seed``, as the stage
-  does (the plain-target baseline is skipped: it does not change the drafters' rounds).
+  each sampling setting (``evaluate_settings``; a tree older than it: ``evaluate.temperatures``), from one
+  generator per (drafter, setting) seeded ``evaluate.seed``, as the stage does (the plain-target baseline
+  is skipped: it does not change the drafters' rounds). Keys only one tree evaluated (a drafter or setting
+  its config lacks) are listed and left out of the tables.
 
-Reported per drafter and temperature: tau of each tree and the paired difference new - old with its
+Reported per drafter and setting: tau of each tree and the paired difference new - old with its
 SE; block level: mean and SE of the per-block differences (SE = sd / sqrt(n)); decoding loop: the ratio
 estimator tau = sum(accepted + 1) / rounds, prompts as clusters, the difference's SE by the delta method
 on per-prompt linearised terms z_i = (s_i - tau n_i) / mean(n) taken new minus old (the same formula as
@@ -23,7 +25,9 @@ gave identical outcomes (identical random numbers and logits give identical outc
     python bench/bench_cpu_regression.py --old /tmp/e-old --new /tmp/e-new --run-dir /tmp/e-run \
         [--conf conf/tiny.yaml] [key=value ...]   # the overrides the run was trained with
 
-Make the old tree without touching git state: ``git archive c437ed2 | tar -x -C /tmp/e-old``.
+Make the old tree without touching git state: ``git archive c437ed2 | tar -x -C /tmp/e-old``. Both trees
+must load the run's drafters: an old tree refuses a checkpoint trained with an option it lacks (its
+checkpoint check names it), so compare on a run the old tree's recipe trained.
 """
 from __future__ import annotations
 
@@ -69,7 +73,8 @@ def child(run_dir: str, conf: str, overrides: list[str], out: str) -> None:
     block_runner.evaluate_blocks = capture
     ev_stage.block_level(cfg, drafters, target_dir, {})
     tally = tallies[0]
-    block = {f"{n}|{T:g}": tally.values(n, T, "tau").tolist() for n in drafters for T in cfg.evaluate.temperatures}
+    settings = ev_stage.evaluate_settings(cfg) if hasattr(ev_stage, "evaluate_settings") else cfg.evaluate.temperatures
+    block = {f"{n}|{T:g}": tally.values(n, T, "tau").tolist() for n in drafters for T in settings}
 
     model, tok, _ = load_target(cfg.target)
     prompts = ev_stage.eval_prompts(cfg, tok)
@@ -77,7 +82,7 @@ def child(run_dir: str, conf: str, overrides: list[str], out: str) -> None:
     tap = LayerTap(model, cfg.target.target_layer_ids)
     decode = {}
     with torch.no_grad():
-        for T in cfg.evaluate.temperatures:
+        for T in settings:
             for name, drafter in drafters.items():
                 runs = ev_stage._decode_all(lambda **kw: ev_stage.speculative_decode(model, drafter, tap=tap, **kw),
                                             prompts, cfg.evaluate.seed, temperature=T,
@@ -125,12 +130,12 @@ def decode_pair(old: list, new: list) -> dict:
 
 def table(title: str, rows: dict[str, dict], unit: str) -> None:
     print(f"\n{title}")
-    print(f"{'drafter':<8} {'T':>4} {unit:>8} {'tau old':>8} {'tau new':>8} {'new-old':>9} {'SE':>7} "
+    print(f"{'drafter':<8} {'setting':>12} {unit:>8} {'tau old':>8} {'tau new':>8} {'new-old':>9} {'SE':>7} "
           f"{'|d|/SE':>6} {'identical':>10}")
     for key, r in rows.items():
         name, t = key.split("|")
         ratio = abs(r["diff"]) / r["se"] if r["se"] > 0 else 0.0
-        print(f"{name:<8} {t:>4} {r['n']:>8} {r['old']:>8.4f} {r['new']:>8.4f} {r['diff']:>+9.4f} {r['se']:>7.4f} "
+        print(f"{name:<8} {t:>12} {r['n']:>8} {r['old']:>8.4f} {r['new']:>8.4f} {r['diff']:>+9.4f} {r['se']:>7.4f} "
               f"{ratio:>6.2f} {r['same']:>5}/{r['n']:<4}")
 
 
@@ -156,10 +161,15 @@ def main() -> None:
                 raise SystemExit(f"the {k} tree's evaluation failed (exit {p.returncode}); see its stderr above")
         res = {k: json.loads(Path(v).read_text()) for k, v in outs.items()}
     print(f"old: {res['old']['tree']}\nnew: {res['new']['tree']}\nrun: {args.run_dir} (same drafters, same seeds)")
+    for part in ("block", "decode"):
+        only = sorted(set(res["old"][part]) ^ set(res["new"][part]))
+        if only:  # a drafter or setting one tree's config has and the other's has not
+            print(f"{part}: evaluated by one tree only, not compared: {', '.join(only)}")
+    common = {part: [k for k in res["new"][part] if k in res["old"][part]] for part in ("block", "decode")}
     table("block level (held-out cache blocks, paired per block)",
-          {k: block_pair(res["old"]["block"][k], res["new"]["block"][k]) for k in res["new"]["block"]}, "blocks")
+          {k: block_pair(res["old"]["block"][k], res["new"]["block"][k]) for k in common["block"]}, "blocks")
     table("decoding loop (held-out prompts, paired per prompt, prompts as clusters)",
-          {k: decode_pair(res["old"]["decode"][k], res["new"]["decode"][k]) for k in res["new"]["decode"]}, "prompts")
+          {k: decode_pair(res["old"]["decode"][k], res["new"]["decode"][k]) for k in common["decode"]}, "prompts")
 
 
 if __name__ == "__main__":
