@@ -338,6 +338,10 @@ class CalibrateConfig:
     # drafts; adopted only if it ranks held-out prompts' slots better (AUC) than the trained head. 0 = off
     refit_prompts: int = 64
     refit_max_new_tokens: int = 64
+    # the refit also decodes its prompts greedily (T = 0) and fits on the rows of both settings: one
+    # exported head serves greedy and sampled requests (pipeline.stages.calibrate.refit_settings; doubles
+    # the refit's decoding). false = the head's serving setting only
+    refit_greedy: bool = True
     # the gate rounds: the drafter, with the head calibrate keeps, decodes the prompts of the next gate_prompts
     # held-out samples (after the refit's) at the head's setting (refit_max_new_tokens each); the evaluate
     # stage fits its estimators on these on-policy rounds at that setting and enables adaptive verification

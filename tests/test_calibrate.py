@@ -164,6 +164,58 @@ def test_refit_and_gate_prompts_come_after_the_sts_and_block_level_samples_when_
     assert sample_prompts(Reader(), [7, 8], 0, 1) == [[0, 1]]
 
 
+def test_refit_pools_the_serving_setting_and_greedy_rounds(monkeypatch):
+    """The refit decodes its prompts at the head's serving setting and greedily (``calibrate.refit_greedy``)
+    and fits one head on both settings' rows. Toy case with a known answer: at the serving setting a
+    slot is accepted when feature 0 is high, greedily when feature 1 is; a head fitted on both ranks
+    both settings' slots, one fitted on the serving rounds alone does not rank the greedy ones."""
+    from types import SimpleNamespace
+
+    import pipeline.stages.calibrate as cal
+    from training.spec_sampling import Sampling
+    from training.sts import auc
+
+    serving = Sampling(0.7, 0.8, 20)
+    cfg = lambda greedy: SimpleNamespace(calibrate=SimpleNamespace(refit_greedy=greedy, refit_max_new_tokens=8),
+                                         train=SimpleNamespace(seed=3))
+    assert cal.refit_settings(cfg(True), serving) == [serving, Sampling(0.0)]
+    assert cal.refit_settings(cfg(False), serving) == [serving]
+    assert cal.refit_settings(cfg(True), Sampling(0.0, 0.8, 20)) == [Sampling(0.0, 0.8, 20)]  # greedy already
+
+    def rows(setting, n=4000, prompts=40):
+        g = torch.Generator().manual_seed(int(setting.temperature * 10))
+        x = torch.randn(n, 3, generator=g)
+        signal = x[:, 1] if setting.temperature == 0 else x[:, 0]
+        y = (signal + 0.5 * torch.randn(n, generator=g) > 0).float()
+        return x, y, torch.arange(n) % prompts, torch.zeros(n)
+
+    calls = []
+
+    def onpolicy(target, tap, stop, drafter, prompts, *, sampling, max_new_tokens, seed):
+        calls.append((sampling, max_new_tokens, seed))
+        return rows(sampling)
+
+    monkeypatch.setattr(cal, "onpolicy_rounds", onpolicy)
+    heads = {}
+    for greedy in (True, False):
+        model = SimpleNamespace(confidence_head=SimpleNamespace(proj=torch.nn.Linear(3, 1)))
+        calls.clear()
+        out = cal.refit_confidence_head(cfg(greedy), model, None, None, set(), [[1]] * 40, serving, "digest")
+        settings = [serving, Sampling(0.0)] if greedy else [serving]
+        assert calls == [(s, 8, 3) for s in settings]
+        assert out["settings"] == [s.to_dict() for s in settings]
+        assert out["slots_per_setting"] == [4000] * len(settings) and out["slots"] == 4000 * len(settings)
+        assert out["adopted"] and out["heldout_auc"]["trained"] == 0.5 and out["replaces"] == "digest"
+        torch.testing.assert_close(model.confidence_head.proj.weight.data, out["weight"])
+        heads[greedy] = out["weight"][0], out["bias"]
+    for setting in (serving, Sampling(0.0)):
+        x, y, _, _ = rows(setting)
+        score = lambda greedy: auc(x @ heads[greedy][0] + heads[greedy][1], y > 0.5)
+        assert score(True) > 0.75                             # the pooled head ranks both settings' slots
+        if setting.temperature == 0:
+            assert score(False) < 0.6                         # the serving-only head misses greedy acceptance
+
+
 def test_confidence_set_round_trip():
     data = ConfidenceSet(torch.randn(5, 3), torch.rand(5, 3), torch.tensor([[1, 1, 0]] * 5, dtype=torch.bool))
     save_confidence("memory://cal/confidence.safetensors", data)
@@ -211,6 +263,8 @@ def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, t
     # the on-policy refit: the drafter's own decoding rounds on the first 12 held-out samples' prompts
     refit = s["refit"]
     assert refit == report["refit"] and refit["prompts"] == 12 and refit["slots"] > refit["accepted_slots"] > 0
+    assert refit["settings"] == [s["confidence_sampling"], {"temperature": 0.0, "top_p": 1.0, "top_k": 0}]
+    assert sum(refit["slots_per_setting"]) == refit["slots"] and min(refit["slots_per_setting"]) > 0
     assert refit["adopted"] == (refit["heldout_auc"]["refit"] > refit["heldout_auc"]["trained"])
     head_file = out / "confidence_head.safetensors"
     assert head_file.exists() == refit["adopted"]

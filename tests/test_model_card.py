@@ -31,7 +31,8 @@ def _records(run_dir):
         "best": {"step": 100, "tau_expected": 3.1, "slot1_acceptance": 0.6, "ce": 2.0, "tv": 0.4},
         "last": {"step": 120, "tau_expected": 3.05, "slot1_acceptance": 0.59, "ce": 2.1, "tv": 0.41}}})
     write_json(f"{run_dir}/calibrate/dspark/report.json", {"temperatures": [0.9, 0.8], "refit": {
-        "adopted": True, "prompts": 16, "slots": 300, "heldout_auc": {"trained": 0.55, "refit": 0.7}}})
+        "adopted": True, "prompts": 16, "slots": 300, "heldout_auc": {"trained": 0.55, "refit": 0.7},
+        "settings": [{"temperature": 0.7, "top_p": 0.8, "top_k": 20}, {"temperature": 0.0, "top_p": 1.0, "top_k": 0}]}})
     results = {"T=0": {"drafters": {"dspark": {"overall": {**_task(2.8, 0.1, 40), "speedup_vs_target": 1.9},
                                                "tasks": {"gsm8k": _task(3.0, 0.3), "mbpp": _task(2.0, 0.4)}}}},
                "T=0.7,p0.8,k20": {"drafters": {"dspark": {"overall": {**_task(2.5, 0.1, 40), "speedup_vs_target": 1.5},
@@ -61,7 +62,8 @@ def test_card_states_the_runs_figures(tmp_path):
     assert "| T=0 | 3.000 ± 0.300 | 2.000 ± 0.400 | 2.500 ± 0.250 | 2.800 ± 0.100 | 3.900 ± 0.030 |" in card
     assert "| T=0.7,p0.8,k20 | 2.600 ± 0.200 | 2.200 ± 0.200 | 2.400 ± 0.141 | 2.500 ± 0.100 | 3.500 ± 0.040 |" in card
     assert '"method": "dspark"' in card and '"num_speculative_tokens": 7' in card and "vllm serve" in card
-    assert "adopted on 16 prompts, 300 slots; held-out AUC trained 0.550 -> refit 0.700" in card
+    assert ("adopted on 16 prompts decoded at T=0.7,p0.8,k20 and T=0, 300 slots; held-out AUC trained 0.550 -> "
+            "refit 0.700") in card
     assert "120 steps" in card and "step 120, expected tau 3.050" in card
     assert "(hidden 64, vocabulary 512)" in card
 

@@ -487,15 +487,32 @@ def gate_rounds(cfg: RunConfig, model, target, tap, stop: set[int], prompts: Seq
                   "sampling": sampling.to_dict(), "head": head, "seconds": time.perf_counter() - t0}
 
 
+def refit_settings(cfg: RunConfig, sampling) -> list:
+    """The sampling settings the on-policy refit decodes its prompts at: the head's serving setting
+    ``sampling`` first, then greedy decoding (T = 0) when ``calibrate.refit_greedy`` and the serving
+    setting samples. One exported head serves every request of a deployment, greedy ones included, and
+    greedy acceptance, ``1[argmax q = argmax p]``, is another function of the head's inputs than sampled
+    acceptance: rows of both teach the head both (docs/confidence.md, "The on-policy refit").
+
+    Returns:
+        list of :class:`training.spec_sampling.Sampling`, no duplicates.
+    """
+    from training.spec_sampling import Sampling
+
+    return [sampling] + ([Sampling(0.0)] if cfg.calibrate.refit_greedy and sampling.temperature > 0 else [])
+
+
 def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], prompts: Sequence[Sequence[int]],
                           sampling, replaces: str) -> dict[str, Any]:
     """The on-policy refit of ``model``'s confidence head (:mod:`training.confidence_refit`): its own
-    decoding rounds on ``prompts`` at ``sampling`` (the head's serving setting), the logistic fit, and the
-    new head put into ``model`` when it ranks the odd prompts' slots better than the trained head
-    (pooled AUC).
+    decoding rounds on ``prompts`` at each of :func:`refit_settings` (the head's serving setting
+    ``sampling``, and greedy decoding by default), their reached slots pooled (a prompt's rows of every
+    setting on the same side of the even / odd split), the logistic fit, and the new head put into
+    ``model`` when it ranks the odd prompts' slots better than the trained head (pooled AUC).
 
     Returns:
-        ``{"adopted", "seconds" (decoding and fit), "prompts", "slots" (reached slots fitted), "accepted_slots", "l2", "heldout_auc": {"refit",
+        ``{"adopted", "seconds" (decoding and fit), "prompts", "settings" ([{temperature, top_p, top_k}]),
+        "slots_per_setting", "slots" (reached slots fitted), "accepted_slots", "l2", "heldout_auc": {"refit",
         "trained"}, "heldout_logloss": {...}, "weight" [1, D] float32, "bias" [1] float32, "replaces"}``
         (the fitted head, adopted or not; ``replaces`` as given: the trained head's
         :func:`pipeline.drafters.head_digest` on the checkpoint's float32 weights, which export and evaluate compare).
@@ -505,9 +522,12 @@ def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], pr
     from training.confidence_refit import fit_logistic_head
 
     t0 = time.perf_counter()
+    settings = refit_settings(cfg, sampling)
     try:
-        x, y, group, z = onpolicy_rounds(target, tap, stop, model, prompts, sampling=sampling,
-                                         max_new_tokens=cfg.calibrate.refit_max_new_tokens, seed=cfg.train.seed)
+        parts = [onpolicy_rounds(target, tap, stop, model, prompts, sampling=s,
+                                 max_new_tokens=cfg.calibrate.refit_max_new_tokens, seed=cfg.train.seed)
+                 for s in settings]
+        x, y, group, z = (torch.cat([part[i] for part in parts]) for i in range(4))
         fit = fit_logistic_head(x, y, group, z)
     except (ValueError, PipelineError) as e:  # too few rounds or one class only: keep the trained head
         log.warning("calibrate: no on-policy refit of the confidence head: %s", e)
@@ -518,7 +538,9 @@ def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], pr
         with torch.no_grad():
             proj.weight.copy_(fit.weight.to(proj.weight))
             proj.bias.copy_(fit.bias.to(proj.bias))
-    return {"adopted": adopted, "seconds": time.perf_counter() - t0, "prompts": len(prompts), "slots": fit.rows, "accepted_slots": fit.positives,
+    return {"adopted": adopted, "seconds": time.perf_counter() - t0, "prompts": len(prompts),
+            "settings": [s.to_dict() for s in settings], "slots_per_setting": [len(part[1]) for part in parts],
+            "slots": fit.rows, "accepted_slots": fit.positives,
             "l2": fit.l2, "heldout_auc": fit.heldout_auc, "heldout_logloss": fit.heldout_logloss,
             "weight": fit.weight, "bias": fit.bias, "replaces": replaces}
 
