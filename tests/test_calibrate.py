@@ -181,6 +181,7 @@ def test_refit_pools_the_serving_setting_and_greedy_rounds(monkeypatch):
     assert cal.refit_settings(cfg(True), serving) == [serving, Sampling(0.0)]
     assert cal.refit_settings(cfg(False), serving) == [serving]
     assert cal.refit_settings(cfg(True), Sampling(0.0, 0.8, 20)) == [Sampling(0.0, 0.8, 20)]  # greedy already
+    assert cal.refit_settings(cfg(True), 1.0) == [Sampling(1.0), Sampling(0.0)]  # a plain temperature
 
     def rows(setting, n=4000, prompts=40):
         g = torch.Generator().manual_seed(int(setting.temperature * 10))
@@ -206,6 +207,9 @@ def test_refit_pools_the_serving_setting_and_greedy_rounds(monkeypatch):
         assert out["settings"] == [s.to_dict() for s in settings]
         assert out["slots_per_setting"] == [4000] * len(settings) and out["slots"] == 4000 * len(settings)
         assert out["adopted"] and out["heldout_auc"]["trained"] == 0.5 and out["replaces"] == "digest"
+        by_setting = out["heldout_auc_by_setting"]                # held-out prompts, per setting
+        assert len(by_setting) == len(settings) and all(a["trained"] == 0.5 for a in by_setting)
+        assert by_setting[0]["refit"] > 0.75 and (not greedy or by_setting[1]["refit"] > 0.75)
         torch.testing.assert_close(model.confidence_head.proj.weight.data, out["weight"])
         heads[greedy] = out["weight"][0], out["bias"]
     for setting in (serving, Sampling(0.0)):

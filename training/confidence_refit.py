@@ -42,6 +42,8 @@ class HeadFit:
         l2: the chosen penalty. rows: reached slots fitted. positives: of them accepted.
         heldout_logloss: {"refit", "trained"} mean log loss on the odd groups of the even-group fit and
             of the trained head (nats). heldout_auc: {"refit", "trained"} pooled AUC on the odd groups.
+        heldout_auc_by_part: the same per part (``fit_logistic_head(part=...)``; NaN where a part's odd
+            rows hold one class only), or None.
     """
 
     weight: torch.Tensor
@@ -51,6 +53,7 @@ class HeadFit:
     positives: int
     heldout_logloss: dict[str, float]
     heldout_auc: dict[str, float | None]
+    heldout_auc_by_part: list[dict[str, float]] | None = None
 
 
 def reached_rows(head_inputs: torch.Tensor, accepted: torch.Tensor, verified: torch.Tensor
@@ -112,14 +115,16 @@ def _logloss(z: torch.Tensor, y: torch.Tensor) -> float:
     return float(F.binary_cross_entropy_with_logits(z.double(), y.double()))
 
 
-def fit_logistic_head(x: torch.Tensor, y: torch.Tensor, group: torch.Tensor, trained_logits: torch.Tensor
-                      ) -> HeadFit:
+def fit_logistic_head(x: torch.Tensor, y: torch.Tensor, group: torch.Tensor, trained_logits: torch.Tensor,
+                      part: torch.Tensor | None = None) -> HeadFit:
     """Refit the confidence head on reached slots (module docstring: penalty chosen on held-out groups).
 
     Args:
         x: [n, D] head inputs. y: [n] realised acceptance (0/1). group: [n] int64 group per row (the
             prompt); even groups fit, odd groups judge the penalty and the comparison with the trained
-            head. trained_logits: [n] the trained head's logits on the same rows.
+            head. trained_logits: [n] the trained head's logits on the same rows. part: optional [n] int64
+            index of each row's part (the sampling setting its round was decoded at, 0..P-1), for
+            ``heldout_auc_by_part``; the fit and the adoption figures pool the parts.
     Returns:
         :class:`HeadFit` (weights fitted on every row at the chosen penalty).
     Raises:
@@ -139,8 +144,14 @@ def fit_logistic_head(x: torch.Tensor, y: torch.Tensor, group: torch.Tensor, tra
         scored[l2] = (_logloss(x[held].double() @ w + b, y[held]), x[held].double() @ w + b)
     best = min(scored, key=lambda l2: scored[l2][0])
     w, b = fit_logistic(x, y, best)
-    pos = y[held] > 0.5
+    pos, trained = y[held] > 0.5, trained_logits[held].double()
+    by_part = None
+    if part is not None:
+        p = part[held]
+        by_part = [{"refit": auc(scored[best][1][p == i], pos[p == i]), "trained": auc(trained[p == i], pos[p == i])}
+                   for i in range(int(part.max()) + 1)]
     return HeadFit(weight=w.float()[None], bias=b.float().reshape(1), l2=best, rows=int(y.numel()),
                    positives=int(y.sum()),
                    heldout_logloss={"refit": scored[best][0], "trained": _logloss(trained_logits[held], y[held])},
-                   heldout_auc={"refit": auc(scored[best][1], pos), "trained": auc(trained_logits[held].double(), pos)})
+                   heldout_auc={"refit": auc(scored[best][1], pos), "trained": auc(trained, pos)},
+                   heldout_auc_by_part=by_part)

@@ -28,7 +28,8 @@ decoding loop realises (docs/results.md: a head calibrated on ``c*`` is over-con
 rounds).
 
 The on-policy refit (first, ``calibrate.refit_prompts`` > 0): the drafter decodes the prompts of the
-first held-out samples with the target at its head's setting, and its head is refitted on the realised
+first held-out samples with the target at its head's setting and, with ``calibrate.refit_greedy``,
+greedily (:func:`refit_settings`), and its head is refitted on the realised
 acceptance of its own drafts (:mod:`training.confidence_refit`; teacher forcing is why the trained head
 ranks decoding rounds worse than max-q: docs/confidence.md). It is adopted when it ranks the odd
 prompts' slots better than the trained head; STS then calibrates whichever head is kept.
@@ -487,18 +488,22 @@ def gate_rounds(cfg: RunConfig, model, target, tap, stop: set[int], prompts: Seq
                   "sampling": sampling.to_dict(), "head": head, "seconds": time.perf_counter() - t0}
 
 
-def refit_settings(cfg: RunConfig, sampling) -> list:
+def refit_settings(cfg: RunConfig, sampling: "float | Sampling") -> list:
     """The sampling settings the on-policy refit decodes its prompts at: the head's serving setting
     ``sampling`` first, then greedy decoding (T = 0) when ``calibrate.refit_greedy`` and the serving
     setting samples. One exported head serves every request of a deployment, greedy ones included, and
     greedy acceptance, ``1[argmax q = argmax p]``, is another function of the head's inputs than sampled
     acceptance: rows of both teach the head both (docs/confidence.md, "The on-policy refit").
 
+    Args:
+        cfg: the run config (``calibrate.refit_greedy``). sampling: the head's serving setting (a plain
+            float is that temperature, untruncated).
     Returns:
         list of :class:`training.spec_sampling.Sampling`, no duplicates.
     """
     from training.spec_sampling import Sampling
 
+    sampling = Sampling.of(sampling)
     return [sampling] + ([Sampling(0.0)] if cfg.calibrate.refit_greedy and sampling.temperature > 0 else [])
 
 
@@ -508,11 +513,13 @@ def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], pr
     decoding rounds on ``prompts`` at each of :func:`refit_settings` (the head's serving setting
     ``sampling``, and greedy decoding by default), their reached slots pooled (a prompt's rows of every
     setting on the same side of the even / odd split), the logistic fit, and the new head put into
-    ``model`` when it ranks the odd prompts' slots better than the trained head (pooled AUC).
+    ``model`` when it ranks the odd prompts' slots better than the trained head (AUC pooled over the
+    settings; per setting in the report). A setting without a round skips the whole refit.
 
     Returns:
         ``{"adopted", "seconds" (decoding and fit), "prompts", "settings" ([{temperature, top_p, top_k}]),
-        "slots_per_setting", "slots" (reached slots fitted), "accepted_slots", "l2", "heldout_auc": {"refit",
+        "slots_per_setting" (list[int], in ``settings`` order), "heldout_auc_by_setting" ([{"refit",
+        "trained"}] in that order), "slots" (reached slots fitted), "accepted_slots", "l2", "heldout_auc": {"refit",
         "trained"}, "heldout_logloss": {...}, "weight" [1, D] float32, "bias" [1] float32, "replaces"}``
         (the fitted head, adopted or not; ``replaces`` as given: the trained head's
         :func:`pipeline.drafters.head_digest` on the checkpoint's float32 weights, which export and evaluate compare).
@@ -527,8 +534,11 @@ def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], pr
         parts = [onpolicy_rounds(target, tap, stop, model, prompts, sampling=s,
                                  max_new_tokens=cfg.calibrate.refit_max_new_tokens, seed=cfg.train.seed)
                  for s in settings]
+        per_setting = [len(part[1]) for part in parts]
         x, y, group, z = (torch.cat([part[i] for part in parts]) for i in range(4))
-        fit = fit_logistic_head(x, y, group, z)
+        del parts  # the rows are held once during the fit
+        fit = fit_logistic_head(x, y, group, z, part=torch.repeat_interleave(torch.arange(len(settings)),
+                                                                             torch.tensor(per_setting)))
     except (ValueError, PipelineError) as e:  # too few rounds or one class only: keep the trained head
         log.warning("calibrate: no on-policy refit of the confidence head: %s", e)
         return {"adopted": False, "skipped": str(e), "seconds": time.perf_counter() - t0, "prompts": len(prompts)}
@@ -539,9 +549,9 @@ def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], pr
             proj.weight.copy_(fit.weight.to(proj.weight))
             proj.bias.copy_(fit.bias.to(proj.bias))
     return {"adopted": adopted, "seconds": time.perf_counter() - t0, "prompts": len(prompts),
-            "settings": [s.to_dict() for s in settings], "slots_per_setting": [len(part[1]) for part in parts],
+            "settings": [s.to_dict() for s in settings], "slots_per_setting": per_setting,
             "slots": fit.rows, "accepted_slots": fit.positives,
-            "l2": fit.l2, "heldout_auc": fit.heldout_auc, "heldout_logloss": fit.heldout_logloss,
+            "l2": fit.l2, "heldout_auc": fit.heldout_auc, "heldout_auc_by_setting": fit.heldout_auc_by_part, "heldout_logloss": fit.heldout_logloss,
             "weight": fit.weight, "bias": fit.bias, "replaces": replaces}
 
 
