@@ -317,7 +317,7 @@ def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, t
     cast, fit = block_runner.eval_drafter, confidence_refit.fit_logistic_head
     monkeypatch.setattr(block_runner, "eval_drafter", lambda model, device, dtype=None: cast(model, device, torch.bfloat16))
     monkeypatch.setattr(confidence_refit, "fit_logistic_head",
-                        lambda *a: dataclasses.replace(fit(*a), heldout_auc={"refit": 1.0, "trained": 0.5}))
+                        lambda *a, **kw: dataclasses.replace(fit(*a, **kw), heldout_auc={"refit": 1.0, "trained": 0.5}))
     s = run_calibrate(cfg)["drafters"]["dspark"]
     assert s["refit"]["adopted"] and s["gate"]["prompts"] == 8
     served = load_trained_drafter(cfg, "dspark", cfg.target.path, calibrated=True)
