@@ -334,8 +334,9 @@ class CalibrateConfig:
     # on-policy refit of the confidence head (training.confidence_refit) before STS: the drafter decodes
     # the prompts of refit_prompts held-out samples with the target (past the STS and block-level samples
     # when the held-out shards hold enough: pipeline.stages.calibrate.prompt_start), at the head's
-    # confidence_temperature setting (and greedily: refit_greedy below), and the head is refitted on the realised acceptance of its own
-    # drafts; adopted only if it ranks held-out prompts' slots better (AUC) than the trained head. 0 = off
+    # confidence_temperature setting (and greedily: refit_greedy below), and the head is refitted on the
+    # realised acceptance of its own drafts; adopted only if it ranks held-out prompts' slots better (AUC)
+    # than the trained head. 0 = off
     refit_prompts: int = 64
     refit_max_new_tokens: int = 64
     # the refit also decodes its prompts greedily (T = 0) and fits on the rows of both settings: one

@@ -239,7 +239,8 @@ def _refit(refit: dict[str, Any]) -> str:
     auc = refit.get("heldout_auc", {})
     settings = " and ".join(f"T={Sampling(**s):g}" for s in refit.get("settings", []))
     return (("adopted" if refit["adopted"] else "not adopted") + f" on {refit.get('prompts')} prompts"
-            + (f" decoded at {settings}" if settings else "") + f", {refit.get('slots')} slots; held-out AUC trained {_fmt(auc.get('trained'))} -> refit {_fmt(auc.get('refit'))}")
+            + (f" decoded at {settings}" if settings else "") + f", {refit.get('slots')} slots; "
+            f"held-out AUC trained {_fmt(auc.get('trained'))} -> refit {_fmt(auc.get('refit'))}")
 
 
 def _fmt(x: Any) -> str:

@@ -551,7 +551,8 @@ def refit_confidence_head(cfg: RunConfig, model, target, tap, stop: set[int], pr
     return {"adopted": adopted, "seconds": time.perf_counter() - t0, "prompts": len(prompts),
             "settings": [s.to_dict() for s in settings], "slots_per_setting": per_setting,
             "slots": fit.rows, "accepted_slots": fit.positives,
-            "l2": fit.l2, "heldout_auc": fit.heldout_auc, "heldout_auc_by_setting": fit.heldout_auc_by_part, "heldout_logloss": fit.heldout_logloss,
+            "l2": fit.l2, "heldout_auc": fit.heldout_auc, "heldout_auc_by_setting": fit.heldout_auc_by_part,
+            "heldout_logloss": fit.heldout_logloss,
             "weight": fit.weight, "bias": fit.bias, "replaces": replaces}
 
 
