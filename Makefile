@@ -32,7 +32,7 @@ demo-cluster: install
 test: install
 	$(PY) -m pytest -q
 
-# Only the node-, actor-loss and preemption tests on a 3-raylet local cluster (tests/test_cluster_faults.py, issue #37;
+# Only the node-, actor-loss and preemption tests on a 3-raylet local cluster (tests/integration/test_cluster_faults.py, issue #37;
 # about 10 min on 2 cores, part of make test too); bench/bench_cluster_faults.py prints what each fault cost.
 test-faults: install
 	$(PY) -m pytest -q -m cluster_faults
@@ -51,9 +51,9 @@ $(VLLM_VENV)/.installed-stamp:
 	touch $@
 
 test-vllm: install $(VLLM_VENV)/.installed-stamp
-	$(PY) tests/vllm/make_exports.py runs/vllm-check
-	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. $(VLLM_VENV)/bin/python tests/vllm/check_export_vllm.py runs/vllm-check
-	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. $(VLLM_VENV)/bin/python tests/vllm/check_generate_vllm.py
+	$(PY) tests/envs/vllm/make_exports.py runs/vllm-check
+	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. $(VLLM_VENV)/bin/python tests/envs/vllm/check_export_vllm.py runs/vllm-check
+	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. $(VLLM_VENV)/bin/python tests/envs/vllm/check_generate_vllm.py
 
 # Third-party drafter tools, each from the registry in its own environment with pinned versions
 # (their pins conflict with ours and with each other; /work/shared notes: NOTES-stack.md). The
@@ -83,27 +83,27 @@ $(SPECFORGE_VENV)/.installed-stamp:
 	$(SPECFORGE_VENV)/bin/pip install -q --no-deps specforge==0.2.0
 	touch $@
 
-# The exports of the test-vllm drafters (trained by tests/vllm/make_exports.py, reused when present) in
+# The exports of the test-vllm drafters (trained by tests/envs/vllm/make_exports.py, reused when present) in
 # both formats, full and reduced vocabulary, loaded by each tool (and vLLM serving the speculators
 # format); prints the README's compatibility table.
 COMPAT_OUT ?= runs/compat
 runs/vllm-check/manifest.json:
-	$(PY) tests/vllm/make_exports.py runs/vllm-check
+	$(PY) tests/envs/vllm/make_exports.py runs/vllm-check
 
 test-compat: install $(SPECULATORS_VENV)/.installed-stamp $(DFLASH_VENV)/.installed-stamp \
 		$(SPECFORGE_VENV)/.installed-stamp $(VLLM_VENV)/.installed-stamp runs/vllm-check/manifest.json
-	$(PY) tests/compat/make_exports.py runs/vllm-check $(COMPAT_OUT)
-	$(SPECULATORS_VENV)/bin/python tests/compat/check_speculators.py $(COMPAT_OUT)
-	$(DFLASH_VENV)/bin/python tests/compat/check_dflash.py $(COMPAT_OUT)
-	$(SPECFORGE_VENV)/bin/python tests/compat/check_specforge.py $(COMPAT_OUT)
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python tests/compat/check_vllm.py $(COMPAT_OUT)
-	$(PY) tests/compat/table.py $(COMPAT_OUT)
+	$(PY) tests/envs/compat/make_exports.py runs/vllm-check $(COMPAT_OUT)
+	$(SPECULATORS_VENV)/bin/python tests/envs/compat/check_speculators.py $(COMPAT_OUT)
+	$(DFLASH_VENV)/bin/python tests/envs/compat/check_dflash.py $(COMPAT_OUT)
+	$(SPECFORGE_VENV)/bin/python tests/envs/compat/check_specforge.py $(COMPAT_OUT)
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python tests/envs/compat/check_vllm.py $(COMPAT_OUT)
+	$(PY) tests/envs/compat/table.py $(COMPAT_OUT)
 
 # The GPU install (pip install -c constraints-gpu.txt -e '.[gpu]': CUDA torch + vLLM + the pipeline)
 # resolved again against PyPI as a dry run in a throwaway venv, from the wheels' metadata: needs the
 # network, no GPU, about a minute; prints the tested versions (docs/cluster.md).
 check-gpu-install:
-	python3 tests/check_gpu_install.py
+	python3 tests/envs/check_gpu_install.py
 
 # The GPU-path check (bench/gpu_check.py: training step, flex vs sdpa, prefill + shard write, block-level
 # evaluation, one speculative round, one JSON). gpu-check runs on a GPU machine with whatever python3 is

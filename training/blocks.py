@@ -346,7 +346,7 @@ def flex_block_mask(anchors: torch.Tensor, context_len: int, slots: int, tile: i
     blocks, and all of it iff it ends at or before the smallest; the block-slot tiles depend only
     on the shape (:func:`_slot_tiles`, cached). Partial tiles are evaluated with the rule itself,
     full tiles skip it. Equal to ``create_block_mask(block_mask_mod(...), B, None, N*S, T+N*S,
-    BLOCK_SIZE=tile)`` tile for tile (``tests/test_gpu_path_attention.py``).
+    BLOCK_SIZE=tile)`` tile for tile (``tests/unit/training/test_gpu_path_attention.py``).
 
     Args:
         anchors: [B, N] int64 anchor positions. context_len: T (keys before the blocks).

@@ -557,7 +557,7 @@ class Drafter(nn.Module):
         ``(T, N)``: zero context features after position T (never attended: every anchor lies
         before T) and dummy blocks (anchor 0, mask tokens) that attend only to their own slots and
         are cut off before the heads, so the supervised slots, the loss and the gradients are those
-        of the unpadded shapes (``tests/test_gpu_path_attention.py``).
+        of the unpadded shapes (``tests/unit/training/test_gpu_path_attention.py``).
 
         Args:
             batch: padded cache samples [B, T]. blocks: from :meth:`make_blocks` or ``build_blocks``

@@ -32,7 +32,7 @@ frozen, as for the other drafters.
 
 Inference (:meth:`Eagle3Drafter.encode_context`, :meth:`Eagle3Drafter.draft_block`): the decoding loop's
 interface of :class:`training.drafter.Drafter`, with the next tokens the context entries need; a KV cache of
-the entered rows, one drafting step per token (equal to the training forward: ``tests/test_eagle3.py``).
+the entered rows, one drafting step per token (equal to the training forward: ``tests/unit/training/test_eagle3.py``).
 """
 from __future__ import annotations
 

@@ -265,7 +265,7 @@ def _schedule_steps(a: np.ndarray, sps: SPSCurve) -> tuple[np.ndarray, np.ndarra
     Returns ``(n_admit, position)``: int64 [S], the drafts Algorithm 1 admits at each step, and int64
     [S, gamma * R], the rank of each (r, j) in that step's order (flattened as ``j * R + r``, so that a
     stable sort of ``-a`` breaks ties by j, then r: (r, j) ranks before (r, j + 1)). Identical to calling
-    :func:`schedule` step by step (the same sums in the same order; ``tests/test_scheduler.py``).
+    :func:`schedule` step by step (the same sums in the same order; ``tests/unit/pipeline/test_scheduler.py``).
     """
     S, R, gamma = a.shape
     flat = a.transpose(0, 2, 1).reshape(S, gamma * R)

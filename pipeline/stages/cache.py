@@ -242,7 +242,7 @@ class ShardPrefillWriter:
         with self._prefill_lock:
             t0 = time.perf_counter()
             buffer = self._fill(work)
-            if self.shard_delay_s:  # a shard in flight for a known time (tests/test_cluster_faults.py)
+            if self.shard_delay_s:  # a shard in flight for a known time (tests/integration/test_cluster_faults.py)
                 time.sleep(self.shard_delay_s)
             prefill_s = time.perf_counter() - t0
         with self._write_lock:

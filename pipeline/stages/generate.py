@@ -447,7 +447,7 @@ class ShardGenerator:
         if fs.exists(f"{root}/commits/{_name(shard)}.json"):  # a retried task: the shard is done
             return meta
         result = generate_shard(span, self.engine, self.cfg)
-        if self.cfg.generate.shard_delay_s:  # a shard in flight for a known time (tests/test_cluster_faults.py)
+        if self.cfg.generate.shard_delay_s:  # a shard in flight for a known time (tests/integration/test_cluster_faults.py)
             time.sleep(self.cfg.generate.shard_delay_s)
         try:
             write_shard(self.out_url, shard, span, result, self.settings, self.writer_id)

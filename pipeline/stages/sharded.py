@@ -129,7 +129,7 @@ def run_actor_pool(ds, actor: type, ctor_args: tuple, *, workers: int, gpus: flo
 
     An actor lost with its process or node is restarted and its unfinished calls retried (Ray Data's
     actor-pool defaults, ``max_restarts=-1`` and ``max_task_retries=-1``; passing them is deprecated in
-    Ray 2.60, and ``tests/test_cluster_faults.py`` holds the behaviour); a retried shard is rewritten
+    Ray 2.60, and ``tests/integration/test_cluster_faults.py`` holds the behaviour); a retried shard is rewritten
     whole (deterministic, committed once), a shard committed by a lost call is kept. What that cost is counted by a
     :class:`FaultLedger` (``PoolRun.faults``).
 

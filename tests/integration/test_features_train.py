@@ -1,0 +1,187 @@
+"""train.features: cache | online | hybrid. One model and loss path, the same samples in the same order,
+exactly-once resume, a hybrid cache equal to the cache stage's, a bounded stream."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.run import DEFAULT_CONFIG, load_config
+from chatgen import write_chats
+
+TRAIN = ["train.num_anchors=8", "train.drafters.dspark.markov_rank=8", "train.drafters.dspark.num_layers=1",
+         "~train.drafters.dflash", "~train.drafters.eagle3", "train.num_workers=1", "train.concurrent_drafters=1", "train.heldout_shards=1",
+         "train.validation_shards=1", "train.validate_every_steps=4", "train.micro_batch_samples=4",
+         "train.global_batch_samples=4", "train.lr=3e-3", "train.epochs=2", "cache.num_workers=1",
+         "train.checkpoint_every_steps=100", "ray.num_cpus=2"]
+
+
+def _args(target, run_dir, data, *extra):
+    return [f"target.path={target}", f"run_dir={run_dir}", f"data.train_files=[{data}]", "generate.enabled=false",
+            "cache.rows_per_shard=16", "data.min_loss_tokens=1", *TRAIN, *extra]
+
+
+def _cfg(*a, **k):
+    return load_config(DEFAULT_CONFIG, _args(*a, **k))
+
+
+def _rows(run_dir, name="dspark"):
+    return [json.loads(x) for x in (Path(run_dir) / "train" / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def cache_run(tmp_path_factory, ray_local, tiny_target_dir):
+    """The reference: +stage=cache then +stage=train (cache mode) on 120 chats (8 shards of 16 rows)."""
+    from pipeline.stages.cache import run_cache
+    from pipeline.stages.train import run_train
+
+    root = tmp_path_factory.mktemp("features")
+    data = root / "chats.jsonl"
+    write_chats(data, 120)
+    run_cache(_cfg(tiny_target_dir, root / "cache", data))
+    run_train(_cfg(tiny_target_dir, root / "cache", data))
+    return root, data
+
+
+def _result(run_dir, name="dspark"):
+    return json.loads((Path(run_dir) / "train" / name / "result.json").read_text())
+
+
+@pytest.mark.integration
+def test_online_losses_equal_cache_losses_and_nothing_is_stored(cache_run, tiny_target_dir):
+    """Same seed, same order: per-step losses, validation tau and the consumed samples are equal
+    bit for bit (the stream carries the bf16 bits the cache stores, prefilled in the same batches)."""
+    from pipeline.stages.train import run_train
+
+    root, data = cache_run
+    run_dir = root / "online"
+    summary = run_train(_cfg(tiny_target_dir, run_dir, data, "train.features=online"))
+    ref, got = _rows(root / "cache"), _rows(run_dir)
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, len(ref) + 1)) and len(ref) >= 20
+    assert [r["loss"] for r in got] == [r["loss"] for r in ref]  # exact, not within a tolerance
+    val = [r["val_tau_expected"] for r in got if "val_tau_expected" in r]
+    assert val == [r["val_tau_expected"] for r in ref if "val_tau_expected" in r] and len(val) >= 3
+    a, b = _result(root / "cache"), _result(run_dir)
+    assert b["consumed"]["sha256"] == a["consumed"]["sha256"] and b["consumed"]["samples"] == len(ref) * 4
+    assert b["features"] == "online" and b["stream"]["rows"] == len(ref) * 4 and b["stream"]["bytes"] > 0
+    assert summary["drafters"]["dspark"]["steps"] == len(ref)
+    assert {f.split("/")[0] for f in _files(run_dir)} == {"train"}  # no cache: checkpoints and metrics only
+    assert not any(f.startswith("train/dspark/checkpoints") and "cache" in f for f in _files(run_dir))
+
+
+@pytest.mark.integration
+def test_hybrid_writes_the_cache_stage_cache_and_trains_identically(cache_run, tiny_target_dir, capsys):
+    from ops.__main__ import main
+    from pipeline.stages.train import run_train
+
+    root, data = cache_run
+    run_dir = root / "hybrid"
+    run_train(_cfg(tiny_target_dir, run_dir, data, "train.features=hybrid"))
+    ref, got = _rows(root / "cache"), _rows(run_dir)
+    assert [r["loss"] for r in got] == [r["loss"] for r in ref]
+    assert _result(run_dir)["consumed"]["sha256"] == _result(root / "cache")["consumed"]["sha256"]
+    epoch0 = sum(1 for r in ref if r["epoch"] == 0) * 4
+    assert _result(run_dir)["stream"]["rows"] == epoch0  # epoch 1 read the cache
+    capsys.readouterr()
+    assert main(["verify", str(run_dir / "cache"), "--cursor", str(root / "hv.jsonl")]) == 0
+    assert main(["diff", str(root / "cache" / "cache"), str(run_dir / "cache")]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.integration
+def test_stream_stays_within_its_memory_bound_when_the_trainer_is_slow(cache_run, tiny_target_dir):
+    """A 0.3 s pause per step makes the trainer far slower than the prefill actor. Unbounded, the
+    actor runs ahead through the whole epoch; with a 512 KiB bound (under one shard) the stream's
+    in-flight bytes stay within the bound plus the shards in flight (one per actor, one queued)."""
+    from pipeline.stages.train import run_train
+
+    root, data = cache_run
+    ahead = {}
+    for bound in (2**30, 2**19):
+        run_dir = root / f"slow{bound}"
+        run_train(_cfg(tiny_target_dir, run_dir, data, "train.features=online", f"train.stream_memory_bytes={bound}",
+                       "train.step_delay_s=0.3", "train.epochs=1", "train.validation_shards=0"))
+        res = _result(run_dir)["stream"]
+        assert res["bound_bytes"] == bound and res["rows"] == 112  # 7 training shards of 16 samples
+        ahead[bound] = res["max_ahead_bytes"]
+        assert all(0 <= r["data_wait_fraction"] <= 1 for r in _rows(run_dir))
+    per_shard = res["bytes"] / 7
+    print(ahead, res["bytes"], per_shard)
+    assert ahead[2**30] >= res["bytes"] - 2 * per_shard  # unbounded: nearly the whole epoch waits in the store
+    assert ahead[2**19] <= 2**19 + 2 * per_shard < ahead[2**30]
+
+
+def _cli(target, run_dir, data, *extra):
+    return [sys.executable, "-m", "pipeline.run", "+stage=train", str(DEFAULT_CONFIG),
+            *_args(target, run_dir, data, "train.checkpoint_every_steps=6", *extra)]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["online", "hybrid"])
+def test_sigkill_and_resume_sees_the_same_samples(mode, tiny_target_dir, tmp_path):
+    """SIGKILL the CLI after its checkpoint of step 6 (epoch 0); the rerun resumes there and its
+    per-step losses and consumed samples equal an uninterrupted run's; hybrid's cache then equals
+    the uninterrupted run's cache (``ops diff``). Runs only CLI subprocesses (one Ray at a time)."""
+    from ops.__main__ import main
+
+    data = tmp_path / "chats.jsonl"
+    write_chats(data, 120)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "DS_ACCELERATOR": "cpu"}
+    killed, full = tmp_path / "killed", tmp_path / "full"
+    p = subprocess.Popen(_cli(tiny_target_dir, killed, data, f"train.features={mode}", "train.step_delay_s=0.3"),
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    latest = killed / "train" / "dspark" / "latest"
+    deadline = time.time() + 400
+    while time.time() < deadline and not latest.exists():
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    step = int(latest.read_text().split("-")[1])
+    assert step == 6
+    ckpt = json.loads((killed / "train/dspark/checkpoints/step-000006/COMMITTED.json").read_text()) if (
+        killed / "train/dspark/checkpoints/step-000006/COMMITTED.json").exists() else None
+    for args in (_cli(tiny_target_dir, killed, data, f"train.features={mode}"),
+                 _cli(tiny_target_dir, full, data, f"train.features={mode}")):
+        r = subprocess.run(args, env=env, capture_output=True, timeout=600)
+        assert r.returncode == 0, r.stderr.decode()[-3000:]
+    a, b = _rows(killed), _rows(full)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, len(b) + 1))
+    assert [r["loss"] for r in a[step:]] == [r["loss"] for r in b[step:]]
+    assert _result(killed)["consumed"] == _result(full)["consumed"]
+    if ckpt is not None:
+        assert ckpt["consumed"][0]["samples"] == 6 * 4
+    if mode == "hybrid":
+        assert main(["diff", str(killed / "cache"), str(full / "cache")]) == 0
+
+
+@pytest.mark.integration
+def test_online_train_via_ray_job_submit_with_the_run_on_s3(tiny_target_dir, s3_url, tmp_path):
+    """``ray job submit`` to a local Ray head: +stage=train with train.features=online, run_dir on the
+    local S3 server. Nothing but the drafter's checkpoints and metrics lands under the run."""
+    import s3fs
+
+    from pipeline.cluster import local_head, submit
+
+    data = tmp_path / "chats.jsonl"
+    write_chats(data, 120)
+    entry = [sys.executable, "-m", "pipeline.run", "+stage=train", str(DEFAULT_CONFIG),
+             *_args(tiny_target_dir, s3_url, data, "train.features=online", "train.epochs=1", "train.max_steps=6")]
+    entry = [a for a in entry if a != "ray.num_cpus=2"]
+    with local_head(num_cpus=2) as (ray_bin, address, env):
+        r = submit(ray_bin, address, env, entry, timeout_s=500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "succeeded" in r.stdout
+    fs = s3fs.S3FileSystem()
+    root = s3_url.removeprefix("s3://")
+    result = json.loads(fs.cat_file(f"{root}/train/dspark/result.json"))
+    assert result["features"] == "online" and result["steps"] == 6 and result["stream"]["rows"] >= 24
+    assert {p.removeprefix(root + "/").split("/")[0] for p in fs.find(root)} == {"train"}
+    state = json.loads(fs.cat_file(f"{root}/train/dspark/checkpoints/step-000006/COMMITTED.json"))
+    assert state["features"] == "online" and state["consumed"][0]["samples"] == 24
