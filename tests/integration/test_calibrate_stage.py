@@ -13,23 +13,35 @@ from pipeline.stages.calibrate import load_confidence
 
 
 @pytest.mark.integration
+@pytest.mark.gpu_path
 def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, tiny_target_dir, monkeypatch):
+    """Train (6 steps; checkpoints at steps 2, 4, 6 with ``train.keep_checkpoints=2``: 4 and 6 remain),
+    calibrate and export; then calibrate again in bf16 on ``calibrate.max_samples=5`` of the held-out
+    samples, the first ones in stored order (the GPU-path bounds: tests/unit/pipeline/test_limits.py)."""
+    from cache_schema import CacheReader
+    from checkpointdirs import _folders
+    from training.checkpoint import latest_checkpoint
     from chatgen import write_chats
     from test_train_stage import _cfg
 
-    from pipeline.stages.cache import run_cache
+    from pipeline.stages.cache import cache_url, run_cache
     from pipeline.stages.calibrate import run_calibrate
     from pipeline.stages.export import run_export
     from pipeline.stages.train import run_train
 
     data = tmp_path / "chats.jsonl"
     write_chats(data, 80)
-    cfg = _cfg(tiny_target_dir, tmp_path / "run", data, "train.max_steps=6", "train.checkpoint_every_steps=100",
+    cfg = _cfg(tiny_target_dir, tmp_path / "run", data, "train.max_steps=6", "train.checkpoint_every_steps=2",
+               "train.keep_checkpoints=2",
                "++train.drafters.dflash={num_layers: 1, block_size: 7, sample_from_anchor: true, mask_token_id: 5, "
                "head: none, markov_rank: 0, confidence_head: false}", "calibrate.bins=10",
                "calibrate.refit_prompts=12", "calibrate.refit_max_new_tokens=32")
     run_cache(cfg)
     run_train(cfg)
+    train_url = str(tmp_path / "run" / "train" / "dspark")  # pruned after each commit: the newest two remain
+    assert _folders(train_url) == {"step-000004": True, "step-000006": True}
+    found = latest_checkpoint(train_url)
+    assert found[0].endswith("step-000006") and found[1]["step"] == 6
     summary = run_calibrate(cfg)
     assert summary["heldout_shards"] == [3]                       # 80 rows / 20 per shard: the last one
     assert summary["drafters"]["dflash"] == {"skipped": "no confidence head"}
@@ -103,8 +115,16 @@ def test_calibrate_and_export_stages_on_a_trained_drafter(tmp_path, ray_local, t
     monkeypatch.setattr(block_runner, "eval_drafter", lambda model, device, dtype=None: cast(model, device, torch.bfloat16))
     monkeypatch.setattr(confidence_refit, "fit_logistic_head",
                         lambda *a, **kw: dataclasses.replace(fit(*a, **kw), heldout_auc={"refit": 1.0, "trained": 0.5}))
-    s = run_calibrate(cfg)["drafters"]["dspark"]
+    # ... and on the first 5 held-out samples only (calibrate.max_samples): 5 samples in micro-batches of 4
+    cfg = dataclasses.replace(cfg, calibrate=dataclasses.replace(cfg.calibrate, max_samples=5))
+    summary = run_calibrate(cfg)
+    s = summary["drafters"]["dspark"]
     assert s["refit"]["adopted"] and s["gate"]["prompts"] == 8
+    available = CacheReader(cache_url(cfg)).records[3].num_samples
+    assert summary["heldout_shards"] == [3] and available > 5
+    report = json.loads((out / "report.json").read_text())
+    assert (s["samples_used"], s["samples_available"]) == (report["samples_used"], report["samples_available"]) == (5, available)
+    assert int(load_confidence(str(out / "confidence.safetensors")).batch.max()) + 1 == 2  # two forward passes
     served = load_trained_drafter(cfg, "dspark", cfg.target.path, calibrated=True)
     assert served.confidence_head.proj.weight.dtype == torch.float32
     assert gate_outcomes(cfg, "dspark", head_digest(served))[1] == s["gate"]

@@ -1,5 +1,5 @@
 """The checkpoint folders of a train run (tests/unit/pipeline/test_limits.py,
-tests/integration/test_limits_train.py)."""
+tests/integration/test_calibrate_stage.py)."""
 from __future__ import annotations
 
 from storage import filesystem, join

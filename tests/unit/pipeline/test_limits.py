@@ -7,7 +7,7 @@
   the newest N (:func:`training.checkpoint.prune_checkpoints`), commit record first.
 
 The imports of the new names are inside the tests, so that each test fails on its own without them. Both end to
-end on the tiny target: tests/integration/test_limits_train.py.
+end on the tiny target: tests/integration/test_calibrate_stage.py.
 """
 from __future__ import annotations
 
