@@ -8,7 +8,7 @@ export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/dspark-torch-extensions
 export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: install demo demo-cluster test test-faults test-fast test-vllm test-compat bench clean clean-runs check-gpu-install \
-	gpu-check gpu-check-dry rehearsal
+	gpu-check gpu-check-dry rehearsal verify-embedded-build
 
 # One pip command installs everything (torch pinned to the CPU build on the same line; a later,
 # separate moto install would break the s3fs/botocore pin). constraints.txt is the resolved set
@@ -33,7 +33,7 @@ test: install
 	$(PY) -m pytest -q
 
 # Only the node-, actor-loss and preemption tests on a 3-raylet local cluster (tests/integration/test_cluster_faults.py, issue #37;
-# about 10 min on 2 cores, part of make test too); bench/bench_cluster_faults.py prints what each fault cost.
+# about 11 min on 2 cores, part of make test too); bench/bench_cluster_faults.py prints what each fault cost.
 test-faults: install
 	$(PY) -m pytest -q -m cluster_faults
 
@@ -133,3 +133,9 @@ clean:
 
 clean-runs:
 	rm -rf runs
+
+# The embedded default target trained from scratch (about 7 min) and compared with the shipped one; on a pass
+# tests/fixtures/embedded_full_build.json records the digest of the build's inputs, so that `make test` runs
+# the full build again only when one of them changes (tests/integration/test_embedded_full_build.py).
+verify-embedded-build: install
+	DSPARK_FULL_BUILD=1 DSPARK_FULL_BUILD_RECORD=1 $(PY) -m pytest -q tests/integration/test_embedded_full_build.py
