@@ -42,6 +42,7 @@ def build_inputs() -> dict[str, str]:
 
 
 def digest(inputs: dict[str, str]) -> str:
+    """SHA-256 (hex) of ``inputs`` as sorted-key JSON: the key the record is stored under."""
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
