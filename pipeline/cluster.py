@@ -362,11 +362,10 @@ def local_head(num_cpus: int, env: dict[str, str] | None = None, timeout_s: floa
 
     try:
         deadline = time.time() + timeout_s
-        while not recorded() or subprocess.run([ray_bin, "job", "list", "--address", address], env=env,
-                                               capture_output=True).returncode != 0:
+        while not recorded() or not job_api_answers(address):
             if time.time() > deadline or head.poll() is not None:
                 raise RuntimeError(f"the local Ray head did not start within {timeout_s:.0f} s")
-            time.sleep(1)
+            time.sleep(0.5)
         yield ray_bin, address, env
     finally:
         os.killpg(head.pid, signal.SIGTERM)
@@ -375,6 +374,20 @@ def local_head(num_cpus: int, env: dict[str, str] | None = None, timeout_s: floa
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def job_api_answers(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether the job API of the Ray dashboard at ``address`` (``http://HOST:PORT``) answers: the
+    ``GET /api/jobs/`` that ``ray job list`` sends, without starting a Python process per poll (each
+    costs seconds of CPU while the head itself starts)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{address}/api/jobs/", timeout=timeout_s) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def head_counts(gcs_address: str) -> dict[str, int]:

@@ -257,40 +257,18 @@ def _train_faults(run_dir: Path) -> dict:
     return json.loads((run_dir / "train" / "summary.json").read_text())["drafters"]["dspark"]["faults"]
 
 
-def test_train_resumes_after_a_lost_worker_node(cluster, tiny_target_dir, chats, clean_cache, clean_train, tmp_path):
-    run_dir = _train_run(clean_cache, tmp_path / "run")
-    ckpts = run_dir / "train" / "dspark" / "checkpoints"
-
-    def lose_trainer_node():
-        node, _ = cluster.node_of_actor("RayTrainWorker")
-        kill_and_replace(cluster, node)
-
-    seconds = run_disturbed(cluster, stage_entry("train", tiny_target_dir, chats, run_dir),
-                            lambda: len(list(ckpts.glob(f"step-*/{COMMIT_RECORD}"))) >= 1, lose_trainer_node,
-                            tmp_path / "job.log")
-    assert _losses(run_dir) == _losses(clean_train) and [s for s, _ in _losses(run_dir)] == list(range(1, 9))
-    assert _final_weights(run_dir) == _final_weights(clean_train)
-    result = json.loads((run_dir / "train" / "dspark" / "result.json").read_text())
-    summary = _train_faults(run_dir)
-    record("train (cache features): trainer's node lost", "train", seconds, summary)
-    assert summary["worker_group_restarts"] == 1 and summary["resumed_from_steps"][0] in (2, 4, 6)
-    assert summary["preemption_checkpoints"] == []
-    assert 0 <= summary["redone_steps"] <= 2 and summary["restart_seconds"] > 0
-    assert result["steps"] == 8
-
-
-@pytest.mark.parametrize("features", ["hybrid"])
 def test_streaming_train_resumes_after_a_lost_worker_node(cluster, tiny_target_dir, chats, clean_cache, clean_train,
-                                                          features, tmp_path):
-    """Train fed by the streaming prefill actors (one per worker node; ``hybrid`` also commits the cache
+                                                          tmp_path):
+    """Train fed by the streaming prefill actors (``hybrid``: one per worker node, committing the cache
     while epoch 0 streams) loses the trainer's node, with a stream actor on it, after the first
     checkpoint: the group resumes from it, the stream restarts from the resume position, and the
     per-step losses and final weights equal the cache-mode run's (the same samples in the same
-    order); the hybrid run's cache shards equal the cache stage's byte for byte.
+    order); the cache it writes equals the cache stage's byte for byte.
 
-    Hybrid only: its 8 steps lie in epoch 0 (55 training samples, 4 a step), where hybrid feeds the
-    trainer from the same stream actors as ``online`` and also writes the cache, so the online run was a
-    strict subset of this one (merged, issue #51; ``online`` resuming after a SIGKILL:
+    Merged here (issue #51): the cache-mode run that lost its trainer's node (the same Ray Train group
+    restart and checkpoint resume; the cache-mode restart after a node's loss is the preemption test's
+    below) and the ``online`` run (its 8 steps lie in epoch 0, 55 training samples, 4 a step, where
+    hybrid feeds the trainer from the same stream actors; ``online`` resuming after a SIGKILL:
     tests/integration/test_features_train.py)."""
     run_dir = tmp_path / "run"
     ckpts = run_dir / "train" / "dspark" / "checkpoints"
@@ -298,15 +276,18 @@ def test_streaming_train_resumes_after_a_lost_worker_node(cluster, tiny_target_d
     def lose_trainer_node():
         kill_and_replace(cluster, cluster.node_of_actor("RayTrainWorker")[0])
 
-    seconds = run_disturbed(cluster, stage_entry("train", tiny_target_dir, chats, run_dir, f"train.features={features}"),
+    seconds = run_disturbed(cluster, stage_entry("train", tiny_target_dir, chats, run_dir, "train.features=hybrid"),
                             lambda: len(list(ckpts.glob(f"step-*/{COMMIT_RECORD}"))) >= 1, lose_trainer_node,
                             tmp_path / "job.log")
-    assert _losses(run_dir) == _losses(clean_train) and _final_weights(run_dir) == _final_weights(clean_train)
+    assert _losses(run_dir) == _losses(clean_train) and [s for s, _ in _losses(run_dir)] == list(range(1, 9))
+    assert _final_weights(run_dir) == _final_weights(clean_train)
+    assert json.loads((run_dir / "train" / "dspark" / "result.json").read_text())["steps"] == 8
     faults = _train_faults(run_dir)
-    record(f"train ({features} features): trainer's node lost", None, seconds, faults)  # no undisturbed streaming run
+    record("train (hybrid features): trainer's node lost", "train", seconds, faults)
     assert faults["worker_group_restarts"] == 1 and faults["resumed_from_steps"][0] in (2, 4, 6)
-    if features == "hybrid":
-        assert shard_bytes(run_dir) == shard_bytes(clean_cache)
+    assert faults["preemption_checkpoints"] == []
+    assert 0 <= faults["redone_steps"] <= 2 and faults["restart_seconds"] > 0
+    assert shard_bytes(run_dir) == shard_bytes(clean_cache)
 
 
 def test_a_preempted_train_node_resumes_with_identical_losses_and_weights(cluster, tiny_target_dir, chats,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from pipeline.cluster import START_TIMEOUT, free_port, submit
+from pipeline.cluster import START_TIMEOUT, free_port, job_api_answers, submit
 
 RAY_BIN = str(Path(sys.executable).parent / "ray")
 
@@ -97,12 +97,11 @@ class LocalCluster:
         self.workers: list[Node] = []
         try:
             deadline = time.time() + timeout_s
-            while subprocess.run([RAY_BIN, "job", "list", "--address", self.address], env=self.env,
-                                 capture_output=True).returncode != 0:
+            while not job_api_answers(self.address):
                 if time.time() > deadline or self.head.proc.poll() is not None:
                     raise RuntimeError(f"the Ray head did not start within {timeout_s:.0f} s: "
                                        + self.head.log.read_text()[-2000:])
-                time.sleep(1)
+                time.sleep(0.5)
             for _ in range(workers):
                 self.add_node()
         except BaseException:
