@@ -29,8 +29,12 @@ demo: install
 demo-cluster: install
 	$(PY) bench/demo_cluster.py
 
+# Two pytest-xdist workers, one test module at a time each (module fixtures are built once); the
+# longest modules first (tests/conftest.py). `-n 0` runs serially, e.g. PYTEST_ARGS="-n 0".
+XDIST := -n 2 --dist loadfile
+
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # Only the node-, actor-loss and preemption tests on a 3-raylet local cluster (tests/integration/test_cluster_faults.py, issue #37;
 # about 11 min on 2 cores, part of make test too); bench/bench_cluster_faults.py prints what each fault cost.
@@ -38,7 +42,7 @@ test-faults: install
 	$(PY) -m pytest -q -m cluster_faults
 
 test-fast: install
-	$(PY) -m pytest -q -m "not integration"
+	$(PY) -m pytest -q -m "not integration" $(XDIST) $(PYTEST_ARGS)
 
 # vLLM's CPU build in its own environment (it pins other transformers/numpy versions); the
 # exports of a tiny DFlash and DSpark drafter are checked through vLLM's own loader and decoding.

@@ -32,6 +32,27 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dspa
 CASES = REPO / "tests" / "fixtures" / "cases"
 
 
+# The integration modules that take longest, longest first (seconds measured serially on the 2-core VM,
+# docs/testing.md "Where the suite's time goes"). `make test` runs the suite on two pytest-xdist workers,
+# one module at a time each (--dist loadfile), in collection order: started first, the long modules
+# run beside each other and the short ones fill in at the end, instead of one long module running
+# alone after the rest are done.
+LONGEST_FIRST = ("test_cluster_faults", "test_features_train", "test_rehearsal_quick", "test_user_cluster",
+                 "test_train_stage", "test_storage_faults", "test_all", "test_cache_stage", "test_docs_commands")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Reorder the collected tests: the modules of :data:`LONGEST_FIRST` in its order, then the other
+    integration modules, then the unit tests (each module's tests keep their order)."""
+    def rank(item) -> tuple[int, int]:
+        module = item.path.stem
+        if module in LONGEST_FIRST:
+            return 0, LONGEST_FIRST.index(module)
+        return (1 if "integration" in item.path.parts else 2), 0
+
+    items.sort(key=rank)  # stable: the collection order within a rank
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "shared: reads ../shared (the team's reference material, absent from a user's clone); "
