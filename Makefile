@@ -31,13 +31,13 @@ demo-cluster: install
 
 # Two pytest-xdist workers, one test module at a time each (module fixtures are built once); the
 # longest modules first (tests/conftest.py). `-n 0` runs serially, e.g. PYTEST_ARGS="-n 0".
-XDIST := -n 2 --dist loadfile
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 
 test: install
 	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # Only the node-, actor-loss and preemption tests on a 3-raylet local cluster (tests/integration/test_cluster_faults.py, issue #37;
-# about 11 min on 2 cores, part of make test too); bench/bench_cluster_faults.py prints what each fault cost.
+# 6 tests, about 9 min on 2 cores, part of make test too); bench/bench_cluster_faults.py prints what each fault cost.
 test-faults: install
 	$(PY) -m pytest -q -m cluster_faults
 
