@@ -379,7 +379,8 @@ def local_head(num_cpus: int, env: dict[str, str] | None = None, timeout_s: floa
 def job_api_answers(address: str, timeout_s: float = 2.0) -> bool:
     """Whether the job API of the Ray dashboard at ``address`` (``http://HOST:PORT``) answers: the
     ``GET /api/jobs/`` that ``ray job list`` sends, without starting a Python process per poll (each
-    costs seconds of CPU while the head itself starts)."""
+    costs seconds of CPU while the head itself starts). ``timeout_s``: seconds one request may take.
+    Returns False, never raises, while nothing answers (connection refused, timeout, HTTP error)."""
     import urllib.error
     import urllib.request
 
